@@ -1,0 +1,45 @@
+"""What the registry needs from the serving engine: control over vLLM's two adapter tiers.
+
+vLLM keeps adapters in two places: a CPU cache of `max_cpu_loras` loaded adapters (its own LRU) and
+`max_loras` GPU slots used by the running batch. The registry decides what is in the CPU cache by
+calling `add_lora`/`remove_lora` itself and never asks for more than `max_cpu_loras` at once, so
+vLLM's LRU never evicts behind its back. `pin_lora` keeps an adapter in a GPU slot; vLLM has no
+unpin: `remove_lora` drops the pin with the adapter.
+
+The server's engine wrapper implements this Protocol (over `AsyncLLM.add_lora` etc.); the registry
+never imports the server, so the contract lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from loraplex.adapters_registry.base import ServableAdapter
+
+
+class EngineLoraControl(Protocol):
+    """The engine's adapter tiers. All calls are awaited on the server's event loop.
+
+    Engine ids are the registry's: each one names exactly one version's bytes for the life of the
+    catalog, so the engine may cache by id without ever serving stale weights.
+    """
+
+    async def add_lora(self, adapter: ServableAdapter) -> None:
+        """Load `adapter` (from `adapter.path` on local disk) into the engine's CPU cache.
+
+        Idempotent: adding an id that is already loaded does nothing. Raises on a load failure
+        (the registry turns that into AdapterUnavailable naming the adapter).
+        """
+        ...
+
+    async def remove_lora(self, engine_id: int) -> None:
+        """Drop `engine_id` from the engine (CPU cache, GPU slot and pin). Unknown ids are ignored."""
+        ...
+
+    async def pin_lora(self, engine_id: int) -> None:
+        """Keep the loaded `engine_id` in a GPU slot until it is removed. It must be added first."""
+        ...
+
+    async def list_loras(self) -> set[int]:
+        """Ids the engine currently holds in its CPU cache (pinned ones included)."""
+        ...
