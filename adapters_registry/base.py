@@ -40,6 +40,25 @@ class AdapterUnavailable(AdapterError):
     code = "adapter_unavailable"
 
 
+class AdapterInvalid(AdapterError):
+    """A name, request or adapter's files are invalid; the message names the field and the bound."""
+
+    http_status = 400
+    code = "invalid_adapter"
+
+    def __init__(self, message: str, *, param: str | None = None, reason: str = "invalid") -> None:
+        super().__init__(message, param=param)
+        self.reason = reason
+        """A short fixed label (metrics): e.g. `rank`, `tensor_shape`, `pickle`, `name`."""
+
+
+class AdapterConflict(AdapterError):
+    """The operation contradicts the catalog's state (e.g. rollback with no earlier version)."""
+
+    http_status = 409
+    code = "adapter_conflict"
+
+
 @dataclass(frozen=True)
 class ServableAdapter:
     """One version of an adapter, on local disk, ready for vLLM's `LoRARequest`."""

@@ -33,7 +33,7 @@ class EngineLoraControl(Protocol):
         ...
 
     async def remove_lora(self, engine_id: int) -> None:
-        """Drop `engine_id` from the engine (CPU cache, GPU slot and pin). Unknown ids are ignored."""
+        """Drop `engine_id` from the engine (CPU cache, GPU slot, pin). Unknown ids: no-op."""
         ...
 
     async def pin_lora(self, engine_id: int) -> None:

@@ -30,12 +30,14 @@ def content_version(folder: Path) -> str:
 
 
 class LocalFolderSource:
-    """Serves the adapters found under `root` when constructed."""
+    """Serves the adapters found under `root` when constructed (none if `root` is None)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path | None) -> None:
+        self._adapters: dict[str, ServableAdapter] = {}
+        if root is None:
+            return
         if not root.is_dir():
             raise AdapterError(f"adapter folder {root} does not exist", param="registry.local_dir")
-        self._adapters: dict[str, ServableAdapter] = {}
         folders = sorted(p for p in root.iterdir() if (p / CONFIG_FILE).is_file())
         for engine_id, folder in enumerate(folders, start=1):
             if not (folder / WEIGHTS_FILE).is_file():

@@ -1,0 +1,221 @@
+"""The catalog: which adapter names exist and which immutable version each one serves.
+
+It is an append-only log of events kept in the object store itself, one object per event at
+`catalog/log/<seq>.json`, each written with exclusive creation. Two replicas that append at once
+race for the same sequence number; the loser re-reads the log and tries again, so every replica
+applies the same events in the same order and converges. A snapshot of the whole state is written
+every `SNAPSHOT_EVERY` events so a start reads one snapshot plus a short tail, not the whole log.
+
+Engine ids are allocated by the log (one more than the largest ever given), so an id names exactly
+one version's bytes for the life of the store, across restarts and replicas.
+
+This class holds state only; it does no I/O except through the `fetch_*`/`write_*` methods, which
+block and are run in threads. `apply` mutates and must be called on one task at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.names import AdapterRef
+from loraplex.adapters_registry.store import ObjectMissing, ObjectStore
+
+LOG_PREFIX = "catalog/log/"
+SNAPSHOT_PREFIX = "catalog/snapshot/"
+SNAPSHOT_EVERY = 256
+BLOB_PREFIX = "blobs/sha256/"
+
+
+def log_key(seq: int) -> str:
+    return f"{LOG_PREFIX}{seq:012d}.json"
+
+
+def blob_key(sha256: str) -> str:
+    return BLOB_PREFIX + sha256
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a version: its name inside the adapter folder and its content hash."""
+
+    name: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """One immutable version of an adapter. `version` is the sha256 over its files."""
+
+    name: str
+    version: str
+    engine_id: int
+    rank: int
+    files: tuple[FileEntry, ...]
+    base_model: str
+    source: str
+    created_at: float
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> VersionRecord:
+        files = tuple(FileEntry(**f) for f in d["files"])
+        return cls(**{**d, "files": files})
+
+
+@dataclass
+class NameEntry:
+    """Where a name points now, and the versions it pointed to before (oldest first)."""
+
+    name: str
+    version: str
+    history: list[str] = field(default_factory=list)
+    pinned: bool = False
+    updated_at: float = 0.0
+
+
+class Catalog:
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.last_seq = 0
+        self._versions: dict[str, dict[str, VersionRecord]] = {}
+        self._names: dict[str, NameEntry] = {}
+        self._max_engine_id = 0
+
+    # ---- reads (event loop, no I/O) ----
+
+    def names(self) -> list[str]:
+        return sorted(self._names)
+
+    def entry(self, name: str) -> NameEntry | None:
+        return self._names.get(name)
+
+    def versions(self, name: str) -> dict[str, VersionRecord]:
+        return self._versions.get(name, {})
+
+    def next_engine_id(self) -> int:
+        return self._max_engine_id + 1
+
+    def resolve(self, ref: AdapterRef) -> VersionRecord:
+        """The version `ref` names. Raises AdapterNotFound (unknown or deleted name/version)."""
+        entry = self._names.get(ref.name)
+        if entry is None:
+            raise AdapterNotFound(f"The model `{ref.name}` does not exist.", param="model")
+        versions = self._versions[ref.name]
+        if ref.version is None:
+            return versions[entry.version]
+        record = versions.get(ref.version)
+        if record is not None:
+            return record
+        matches = [v for v in versions if v.startswith(ref.version)]
+        if len(matches) > 1:
+            raise AdapterInvalid(
+                f"version prefix {ref.version!r} of `{ref.name}` is ambiguous", param="model"
+            )
+        if not matches:
+            raise AdapterNotFound(
+                f"The model `{ref.name}@{ref.version}` does not exist.", param="model"
+            )
+        return versions[matches[0]]
+
+    def live_engine_ids(self) -> set[int]:
+        """Engine ids of every version still reachable by a registered name."""
+        return {r.engine_id for n in self._names for r in self._versions.get(n, {}).values()}
+
+    # ---- mutation (one task at a time) ----
+
+    def apply(self, seq: int, event: dict[str, Any]) -> None:
+        op, name, at = event["op"], event["name"], float(event.get("at", 0.0))
+        if op == "register":
+            record = VersionRecord.from_json(event["record"])
+            self._versions.setdefault(name, {})[record.version] = record
+            self._max_engine_id = max(self._max_engine_id, record.engine_id)
+            self._move(name, record.version, at)
+            self._names[name].pinned = bool(event.get("pinned", self._names[name].pinned))
+        elif op == "move":
+            self._move(name, event["version"], at, rollback=bool(event.get("rollback")))
+        elif op == "pin":
+            if name in self._names:
+                self._names[name].pinned = bool(event["pinned"])
+        elif op == "delete":
+            # Its versions go too: a later registration of the name starts a fresh history and
+            # gets fresh engine ids (`_max_engine_id` remembers every id ever given).
+            self._names.pop(name, None)
+            self._versions.pop(name, None)
+        self.last_seq = seq
+
+    def _move(self, name: str, version: str, at: float, rollback: bool = False) -> None:
+        entry = self._names.get(name)
+        if entry is None:
+            self._names[name] = NameEntry(name, version, [], False, at)
+            return
+        if rollback:
+            # The version rolled back from is dropped from history, so repeated rollbacks walk back.
+            if entry.history and entry.history[-1] == version:
+                entry.history.pop()
+        elif entry.version != version:
+            entry.history.append(entry.version)
+        entry.version, entry.updated_at = version, at
+
+    # ---- event construction (pure) ----
+
+    @staticmethod
+    def event(op: str, name: str, **fields: Any) -> dict[str, Any]:
+        return {"op": op, "name": name, "at": time.time(), **fields}
+
+    @staticmethod
+    def register_event(record: VersionRecord, pinned: bool) -> dict[str, Any]:
+        return Catalog.event("register", record.name, record=asdict(record), pinned=pinned)
+
+    # ---- store I/O (blocking: run in a thread) ----
+
+    def fetch_snapshot(self) -> dict[str, Any] | None:
+        keys = self.store.list_keys(SNAPSHOT_PREFIX)
+        return json.loads(self.store.get_bytes(keys[-1])) if keys else None
+
+    def load_snapshot(self, snap: dict[str, Any]) -> None:
+        for d in snap["versions"]:
+            record = VersionRecord.from_json(d)
+            self._versions.setdefault(record.name, {})[record.version] = record
+            self._max_engine_id = max(self._max_engine_id, record.engine_id)
+        self._names = {n["name"]: NameEntry(**n) for n in snap["names"]}
+        self._max_engine_id = max(self._max_engine_id, int(snap["max_engine_id"]))
+        self.last_seq = int(snap["seq"])
+
+    def fetch_events(self) -> list[tuple[int, dict[str, Any]]]:
+        """Events after `last_seq` in order, stopping at the first gap (a write not yet seen)."""
+        events = []
+        expected = self.last_seq + 1
+        for key in self.store.list_keys(LOG_PREFIX, start_after=log_key(self.last_seq)):
+            seq = int(key[len(LOG_PREFIX) :].removesuffix(".json"))
+            if seq != expected:
+                break
+            try:
+                events.append((seq, json.loads(self.store.get_bytes(key))))
+            except ObjectMissing:
+                break
+            expected += 1
+        return events
+
+    def write_event(self, seq: int, event: dict[str, Any]) -> None:
+        """Append `event` as number `seq`. Raises ObjectExists if another writer took `seq`."""
+        self.store.put_bytes(log_key(seq), json.dumps(event).encode(), if_absent=True)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "seq": self.last_seq,
+            "max_engine_id": self._max_engine_id,
+            "versions": [asdict(r) for vs in self._versions.values() for r in vs.values()],
+            "names": [asdict(e) for e in self._names.values()],
+        }
+
+    def write_snapshot(self, snap: dict[str, Any]) -> None:
+        key = f"{SNAPSHOT_PREFIX}{snap['seq']:012d}.json"
+        self.store.put_bytes(key, json.dumps(snap).encode(), if_absent=False)

@@ -1,0 +1,98 @@
+"""A local directory as an object store: the embedded default, and tests that need no S3.
+
+Writes go to a temporary file renamed into place, so a reader never sees half an object;
+exclusive creation uses `os.link`, which fails atomically if the key exists.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from loraplex.adapters_registry.store import ObjectExists, ObjectMissing, Progress
+
+_CHUNK = 1 << 20
+
+
+class LocalStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.uri = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root):
+            raise ValueError(f"key {key!r} escapes the store root")
+        return path
+
+    def _temp_beside(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        os.close(fd)
+        return Path(name)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError as e:
+            raise ObjectMissing(key) from e
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        path = self._path(key)
+        tmp = self._temp_beside(path)
+        try:
+            tmp.write_bytes(data)
+            if if_absent:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError as e:
+                    raise ObjectExists(key) from e
+            else:
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError as e:
+            raise ObjectMissing(key) from e
+
+    def list_keys(self, prefix: str, start_after: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _, files in os.walk(base):
+            for f in files:
+                if f.startswith(".tmp-"):
+                    continue
+                key = Path(dirpath, f).relative_to(self.root).as_posix()
+                if key > start_after:
+                    keys.append(key)
+        return sorted(keys)
+
+    def download(self, key: str, dest: Path, progress: Progress | None = None) -> None:
+        try:
+            src = self._path(key).open("rb")
+        except FileNotFoundError as e:
+            raise ObjectMissing(key) from e
+        with src, dest.open("wb") as out:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                if progress:
+                    progress(len(chunk))
+
+    def upload(self, src: Path, key: str, progress: Progress | None = None) -> None:
+        path = self._path(key)
+        tmp = self._temp_beside(path)
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if progress:
+            progress(path.stat().st_size)

@@ -1,0 +1,67 @@
+"""Adapter names and `name@version` references, checked before they touch a path or a key.
+
+A name is one or two segments (`support-bot`, `acme/support-bot`: tenant namespace first). Each
+segment starts with a letter or digit and holds letters, digits, `.`, `_`, `-`; `..` is refused
+anywhere, so a name can never climb out of a directory or an object-store prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from loraplex.adapters_registry.base import AdapterInvalid
+
+MAX_NAME_LEN = 128
+_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAME_RE = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT})?")
+# Full sha256 hex, or an unambiguous prefix of at least 8 hex digits.
+_VERSION_RE = re.compile(r"[0-9a-f]{8,64}")
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """What a request names: an adapter, optionally pinned to one version (prefix)."""
+
+    name: str
+    version: str | None = None
+
+
+def check_name(name: str, *, param: str = "name") -> str:
+    """Return `name` if it is a valid adapter name, else raise AdapterInvalid saying why."""
+    if not name:
+        raise AdapterInvalid("adapter name is empty", param=param, reason="name")
+    if len(name) > MAX_NAME_LEN:
+        raise AdapterInvalid(
+            f"adapter name is {len(name)} characters; at most {MAX_NAME_LEN} allowed",
+            param=param,
+            reason="name",
+        )
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise AdapterInvalid("adapter name contains control characters", param=param, reason="name")
+    if ".." in name:
+        raise AdapterInvalid(f"adapter name {name!r} contains '..'", param=param, reason="name")
+    if not _NAME_RE.fullmatch(name):
+        raise AdapterInvalid(
+            f"adapter name {name!r} is invalid: use one or two '/'-separated segments of "
+            "letters, digits, '.', '_' or '-', each starting with a letter or digit "
+            "(at most 64 characters each)",
+            param=param,
+            reason="name",
+        )
+    return name
+
+
+def parse_ref(text: str, *, param: str = "model") -> AdapterRef:
+    """Parse `name` or `name@version`; raise AdapterInvalid if either part is malformed."""
+    name, sep, version = text.partition("@")
+    check_name(name, param=param)
+    if not sep:
+        return AdapterRef(name)
+    if not _VERSION_RE.fullmatch(version):
+        raise AdapterInvalid(
+            f"version {version!r} is invalid: give 8 to 64 lowercase hex digits of the sha256",
+            param=param,
+            reason="name",
+        )
+    return AdapterRef(name, version)
