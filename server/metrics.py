@@ -1,0 +1,162 @@
+"""Every gateway metric, in one place, with Prometheus naming (`loraplex_` prefix, base units).
+
+Latencies are per tenant and, optionally, per adapter. The adapter label is bounded: the first
+`adapter_label_top_k` adapters seen get their own value, every later one is `other`, and requests
+to the base model are `base`. Labels never change once given, so each series is stable for the life
+of the process and the series count is bounded by tenants x (K + 2). With K = 0 the adapter label
+is left out entirely. vLLM's engine metrics (`vllm:` prefix) live in the default registry and are
+exposed on the same endpoint by the app; this module only defines loraplex's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraplex.server.tenancy.record import RequestRecord
+
+BASE_LABEL = "base"
+OTHER_LABEL = "other"
+
+# Buckets cover a CPU demo (TTFT of seconds) and a GPU (tens of milliseconds) alike.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 60)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_OTPS_BUCKETS = (0.5, 1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
+
+
+class AdapterLabels:
+    """Bounded values for the adapter label: the first K adapters seen, then `other`."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self._given: set[str] = set()
+
+    def __call__(self, adapter: str | None) -> str:
+        if adapter is None:
+            return BASE_LABEL
+        if adapter in self._given:
+            return adapter
+        if len(self._given) < self.top_k:
+            self._given.add(adapter)
+            return adapter
+        return OTHER_LABEL
+
+
+class _QueueCollector(Collector):
+    """Queued and running requests per tenant, read from the dispatcher at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        queued = GaugeMetricFamily(
+            "loraplex_requests_queued", "Requests waiting for an engine slot.", labels=["tenant"]
+        )
+        running = GaugeMetricFamily(
+            "loraplex_requests_running", "Requests holding an engine slot.", labels=["tenant"]
+        )
+        for tenant, (q, r) in sorted(self._snapshot().items()):
+            queued.add_metric([tenant], q)
+            running.add_metric([tenant], r)
+        yield queued
+        yield running
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry, adapter_label_top_k: int) -> None:
+        self.registry = registry
+        self._adapters = AdapterLabels(adapter_label_top_k)
+        per_request = ["tenant", "adapter"] if adapter_label_top_k else ["tenant"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, per_request, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.ttft = hist(
+            "loraplex_time_to_first_token_seconds",
+            "Arrival to first generated token, queueing included.",
+            _TTFT_BUCKETS,
+        )
+        self.itl = hist(
+            "loraplex_inter_token_latency_seconds", "Gap between generated tokens.", _ITL_BUCKETS
+        )
+        self.tpot = hist(
+            "loraplex_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _ITL_BUCKETS,
+        )
+        self.otps = hist(
+            "loraplex_request_output_tokens_per_second",
+            "Output tokens per second of each request (arrival to last token).",
+            _OTPS_BUCKETS,
+        )
+        self.e2e = hist(
+            "loraplex_e2e_request_latency_seconds", "Arrival to end of response.", _E2E_BUCKETS
+        )
+        self.queue_time = Histogram(
+            "loraplex_request_queue_time_seconds",
+            "Time waiting for an engine slot in the fair queue.",
+            ["tenant"],
+            buckets=_QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = counter(
+            "loraplex_prompt_tokens", "Prompt tokens of finished requests.", per_request
+        )
+        self.generation_tokens = counter(
+            "loraplex_generation_tokens", "Generated tokens.", per_request
+        )
+        self.requests = counter(
+            "loraplex_requests",
+            "Finished requests by HTTP status and error type (`none` when it succeeded).",
+            [*per_request, "status", "error_type"],
+        )
+        self.rejections = counter(
+            "loraplex_rejections",
+            "Requests refused by admission, by reason (quota name, queue_full, unauthorized).",
+            ["tenant", "reason"],
+        )
+        self._per_adapter = bool(adapter_label_top_k)
+
+    def watch_queues(self, snapshot: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        """Export `{tenant: (queued, running)}` as gauges, read at every scrape."""
+        self.registry.register(_QueueCollector(snapshot))
+
+    def _labels(self, record: RequestRecord) -> list[str]:
+        tenant = record.tenant or "unknown"
+        return [tenant, self._adapters(record.adapter)] if self._per_adapter else [tenant]
+
+    def observe_rejection(self, tenant: str, reason: str) -> None:
+        self.rejections.labels(tenant, reason).inc()
+
+    def observe_request(self, record: RequestRecord) -> None:
+        """Record a finished request (called once, after its last byte)."""
+        labels = self._labels(record)
+        status = str(record.status)
+        self.requests.labels(*labels, status, record.error_type or "none").inc()
+        if record.tenant is None or record.model is None:
+            return  # refused before it named a model: counted above, nothing else to time
+        if record.queued_s is not None:
+            self.queue_time.labels(labels[0]).observe(record.queued_s)
+        if record.prompt_tokens:
+            self.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self.generation_tokens.labels(*labels).inc(record.completion_tokens)
+        for value, metric in (
+            (record.ttft_s, self.ttft),
+            (record.tpot_s, self.tpot),
+            (record.output_tokens_per_s, self.otps),
+            (record.e2e_s, self.e2e),
+        ):
+            if value is not None:
+                metric.labels(*labels).observe(value)
+        itl = self.itl.labels(*labels)
+        for gap in record.inter_token_latencies():
+            itl.observe(gap)

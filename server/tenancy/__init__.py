@@ -1,0 +1,1 @@
+"""Tenants, API keys, quotas and weighted fair dispatch in front of the engine."""

@@ -1,0 +1,45 @@
+"""Tenancy's errors, as members of the gateway's one error hierarchy (`loraplex.server.errors`)."""
+
+from __future__ import annotations
+
+import math
+
+from loraplex.server import errors
+
+
+class Unauthorized(errors.Unauthenticated):
+    """No key, an unknown key, or a key of the wrong kind (admin token on /v1 and the reverse)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class RateLimited(errors.RateLimited):
+    """A per-tenant quota is exhausted; Retry-After says when it will admit again."""
+
+    def __init__(self, message: str, *, reason: str, retry_after: float) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class QueueFull(errors.EngineOverloaded):
+    """The bounded global queue is full: the server as a whole is overloaded."""
+
+    code = "queue_full"
+    reason = "queue_full"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
+class TenantNotFound(errors.NotFound):
+    code = "tenant_not_found"
+
+
+class TenantConflict(errors.ApiError):
+    """Creating a tenant that exists, or changing one defined in the config file."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "tenant_conflict"

@@ -1,0 +1,209 @@
+"""Weighted fair dispatch of requests to the engine across tenants.
+
+At most `max_running` requests are in the engine at once; the rest wait in one queue per tenant.
+Two rules decide who goes next when a slot frees:
+
+1. **Order: start-time fair queuing.** Each request gets a start tag `S = max(V, F_prev)` and a
+   finish tag `F = S + cost / weight`, where `V` is the start tag of the last request dispatched
+   and `F_prev` the finish tag of the tenant's previous request. The eligible head with the
+   smallest start tag goes first, so backlogged tenants are served in proportion to their weights
+   and a tenant that was idle does not bank credit.
+2. **Caps: weighted max-min shares of the slots.** Ordering alone cannot help a light tenant whose
+   request arrives while a flooding tenant holds every slot: engine requests cannot be preempted,
+   so it would wait for one to finish (seconds on a CPU). Each tenant seen in the last
+   `active_window_s` therefore has a demand (its peak of running + queued in that window, plus one
+   slot of headroom) and the slots are divided by weighted max-min fairness over those demands. A
+   flooding tenant gets everything the others do not need, and a light tenant always finds a free
+   slot for its next request.
+
+Requests cancelled while queued are removed and never dispatched. Used from one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loraplex.server.tenancy.errors import QueueFull
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future[None]
+    start_tag: float
+    finish_tag: float
+    arrived: float
+
+
+@dataclass
+class _TenantQueue:
+    weight: float
+    waiting: deque[_Waiter] = field(default_factory=deque)
+    running: int = 0
+    last_finish_tag: float = 0.0
+    peak: int = 0
+    peak_at: float = 0.0
+    seen_at: float = 0.0
+
+    @property
+    def load(self) -> int:
+        return self.running + len(self.waiting)
+
+
+class Ticket:
+    """One request's place in the fair queue: `wait` for the engine slot, `close` when done.
+
+    `close` is idempotent and safe in every state: it leaves the queue if the request never got a
+    slot (so a cancelled request never reaches the engine) and frees the slot if it did.
+    """
+
+    def __init__(self, dispatcher: FairDispatcher, tenant_id: str, waiter: _Waiter) -> None:
+        self._dispatcher = dispatcher
+        self.tenant_id = tenant_id
+        self._waiter = waiter
+        self._closed = False
+        self.queued_s = 0.0
+
+    async def wait(self) -> float:
+        """Block until dispatched; returns seconds spent queued."""
+        await asyncio.shield(self._waiter.future)
+        self.queued_s = self._dispatcher._clock() - self._waiter.arrived
+        return self.queued_s
+
+    @property
+    def dispatched(self) -> bool:
+        return self._waiter.future.done()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.dispatched:
+            self._dispatcher._release(self.tenant_id)
+        else:
+            self._waiter.future.cancel()
+            self._dispatcher._leave(self.tenant_id, self._waiter)
+
+
+class FairDispatcher:
+    def __init__(
+        self,
+        max_running: int,
+        max_queued: int,
+        active_window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.active_window_s = active_window_s
+        self._clock = clock
+        self._tenants: dict[str, _TenantQueue] = {}
+        self._virtual_time = 0.0
+        self._running = 0
+        self._queued = 0
+
+    def enqueue(self, tenant_id: str, weight: float, cost: float = 1.0) -> Ticket:
+        """Join the tenant's queue (dispatching at once if a slot is free and it is our turn).
+
+        Must be called from the event loop's thread. Raises QueueFull, without queueing, when the
+        request would have to wait and `max_queued` requests are already waiting.
+        """
+        queue = self._tenants.get(tenant_id)
+        if queue is None:
+            queue = self._tenants[tenant_id] = _TenantQueue(weight=weight)
+        queue.weight = weight
+        if self._queued >= self.max_queued and not self._may_start_now(tenant_id, queue):
+            raise QueueFull(
+                f"The server is overloaded: {self._queued} requests are queued "
+                f"(tenancy.max_queued is {self.max_queued})."
+            )
+        start = max(self._virtual_time, queue.last_finish_tag)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, start, start + cost / weight, self._clock())
+        queue.last_finish_tag = waiter.finish_tag
+        queue.waiting.append(waiter)
+        self._queued += 1
+        self._touch(queue)
+        self._dispatch()
+        return Ticket(self, tenant_id, waiter)
+
+    def _leave(self, tenant_id: str, waiter: _Waiter) -> None:
+        queue = self._tenants[tenant_id]
+        queue.waiting.remove(waiter)
+        self._queued -= 1
+        self._touch(queue)
+        self._dispatch()
+
+    def _may_start_now(self, tenant_id: str, queue: _TenantQueue) -> bool:
+        return (
+            not queue.waiting
+            and self._running < self.max_running
+            and queue.running < self._caps().get(tenant_id, self.max_running)
+        )
+
+    def _release(self, tenant_id: str) -> None:
+        queue = self._tenants[tenant_id]
+        queue.running -= 1
+        self._running -= 1
+        self._touch(queue)
+        self._dispatch()
+
+    def _touch(self, queue: _TenantQueue) -> None:
+        now = self._clock()
+        queue.seen_at = now
+        if queue.load >= queue.peak or now - queue.peak_at > self.active_window_s:
+            queue.peak, queue.peak_at = queue.load, now
+
+    def _caps(self) -> dict[str, float]:
+        """Weighted max-min division of the slots over active tenants' demands (water-filling)."""
+        now = self._clock()
+        demands = {
+            tid: (q.weight, max(q.peak, q.load) + 1)
+            for tid, q in self._tenants.items()
+            if q.load or now - q.seen_at <= self.active_window_s
+        }
+        caps: dict[str, float] = {}
+        remaining = float(self.max_running)
+        weight_left = sum(w for w, _ in demands.values())
+        order = sorted(demands, key=lambda tid: demands[tid][1] / demands[tid][0])
+        for tid in order:
+            weight, demand = demands[tid]
+            caps[tid] = max(1.0, min(float(demand), remaining * weight / weight_left))
+            remaining -= min(caps[tid], remaining)
+            weight_left -= weight
+        if order:  # the tenant with the largest demand per weight takes what is left
+            caps[order[-1]] += remaining
+        return caps
+
+    def _dispatch(self) -> None:
+        while self._running < self.max_running and self._queued:
+            caps = self._caps()
+            best: tuple[float, str] | None = None
+            for tid, queue in self._tenants.items():
+                if queue.waiting and queue.running < caps.get(tid, self.max_running):
+                    tag = queue.waiting[0].start_tag
+                    if best is None or tag < best[0]:
+                        best = (tag, tid)
+            if best is None:
+                return  # the free slots are reserved for active tenants below their share
+            queue = self._tenants[best[1]]
+            waiter = queue.waiting.popleft()
+            self._queued -= 1
+            queue.running += 1
+            self._running += 1
+            self._virtual_time = waiter.start_tag
+            waiter.future.set_result(None)
+
+    def queued(self, tenant_id: str) -> int:
+        queue = self._tenants.get(tenant_id)
+        return len(queue.waiting) if queue else 0
+
+    def running(self, tenant_id: str) -> int:
+        queue = self._tenants.get(tenant_id)
+        return queue.running if queue else 0
+
+    def tenant_ids(self) -> list[str]:
+        return list(self._tenants)

@@ -1,0 +1,99 @@
+"""Configuration of tenants, quotas and fair dispatch: the `tenancy` section of the settings.
+
+Tenants defined here are fixed for the life of the process; tenants created through
+`/admin/v1/tenants` live in the durable store beside the adapter catalog. Keys written in the
+config file are hashed when the settings are loaded and the plain text is never kept.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+
+# Lower-case ASCII only, so `Acme` and a Cyrillic `аcme` can never alias the tenant `acme`.
+TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+DEFAULT_TENANT_ID = "default"
+
+
+class Quotas(BaseModel):
+    """Per-tenant limits; 0 means unlimited. Exceeding one answers 429 with Retry-After."""
+
+    max_concurrent: int = Field(0, ge=0, description="Requests of the tenant in flight at once.")
+    requests_per_minute: int = Field(0, ge=0, description="Requests admitted per minute.")
+    tokens_per_minute: int = Field(
+        0,
+        ge=0,
+        description="Prompt plus generated tokens per minute (charged when they are known).",
+    )
+
+
+class TenantConfig(BaseModel):
+    """A tenant as written in the config file."""
+
+    model_config = {"extra": "forbid"}
+
+    id: str = Field(pattern=TENANT_ID_PATTERN, description="Stable id; the adapter namespace.")
+    display_name: str = Field("", max_length=200)
+    api_keys: list[SecretStr] = Field(default_factory=list, description="Plain keys (hashed).")
+    weight: float = Field(1.0, gt=0.0, le=1000.0, description="Fair-share weight.")
+    quotas: Quotas = Field(default_factory=Quotas)  # type: ignore[arg-type]
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_long_enough(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for i, key in enumerate(keys):
+            if len(key.get_secret_value()) < 16:
+                raise ValueError(f"api_keys[{i}] must be at least 16 characters")
+        return keys
+
+
+class TenancySettings(BaseModel):
+    tenants: list[TenantConfig] = Field(
+        default_factory=list,
+        description="Tenants from the config file. With none (and none in the store), one open "
+        "tenant `default` serves every request without a key.",
+    )
+    store_prefix: str = Field(
+        "tenants/", description="Prefix of tenant records in the adapter catalog's object store."
+    )
+    max_running: int = Field(
+        16,
+        ge=1,
+        description="Requests dispatched to the engine at once; the rest wait in fair queues. "
+        "Small values keep a flooding tenant's batch from slowing everyone's prefill.",
+    )
+    max_queued: int = Field(
+        256, ge=0, description="Requests waiting across all tenants; one more answers 503."
+    )
+    active_window_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="A tenant seen within this many seconds keeps its share of `max_running` "
+        "reserved, so its next request need not wait behind another tenant's backlog.",
+    )
+    adapter_label_top_k: int = Field(
+        20,
+        ge=0,
+        le=1000,
+        description="Adapters that get their own metrics label (the first K seen); others are "
+        "`other`. 0 removes the adapter label from every metric.",
+    )
+
+    @field_validator("store_prefix")
+    @classmethod
+    def _prefix_shape(cls, prefix: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_./-]*/", prefix) or ".." in prefix:
+            raise ValueError("store_prefix must be a relative path ending in '/' without '..'")
+        return prefix
+
+    @model_validator(mode="after")
+    def _unique(self) -> TenancySettings:
+        ids = [t.id for t in self.tenants]
+        dup_ids = sorted({i for i in ids if ids.count(i) > 1})
+        if dup_ids:
+            raise ValueError(f"tenancy.tenants: duplicate tenant ids {dup_ids}")
+        keys = [k.get_secret_value() for t in self.tenants for k in t.api_keys]
+        if len(keys) != len(set(keys)):
+            raise ValueError("tenancy.tenants: the same api key is given to two tenants")
+        return self

@@ -1,0 +1,283 @@
+"""Pure logic of tenancy: keys, settings, namespaces, quotas, the tenant directory.
+
+The directory's durable store here is the registry's real LocalStore on a temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.server.tenancy.admission import Admission
+from loraplex.server.tenancy.directory import TenantDirectory
+from loraplex.server.tenancy.errors import QueueFull, RateLimited, TenantConflict, Unauthorized
+from loraplex.server.tenancy.keys import HashedKey, lookup_id, new_key
+from loraplex.server.tenancy.model import TenantSource
+from loraplex.server.tenancy.quotas import QuotaGate, TokenBucket
+from loraplex.server.tenancy.settings import Quotas, TenancySettings, TenantConfig
+from loraplex.server.tenancy.store import TenantStore
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def settings(**kw: object) -> TenancySettings:
+    return TenancySettings.model_validate(kw)
+
+
+ACME_KEY = "acme-key-0123456789abcdef"
+GLOBEX_KEY = "globex-key-0123456789abcdef"
+ADMIN = "admin-token-0123456789abcdef"
+
+
+def two_tenants(**kw: object) -> TenancySettings:
+    return settings(
+        tenants=[
+            {"id": "acme", "api_keys": [ACME_KEY], "weight": 2},
+            {"id": "globex", "api_keys": [GLOBEX_KEY]},
+        ],
+        **kw,
+    )
+
+
+# --- keys --------------------------------------------------------------------------------------
+def test_hashed_key_matches_only_its_key_and_stores_no_plaintext() -> None:
+    key = new_key()
+    hashed = HashedKey.of(key)
+    assert hashed.matches(key)
+    assert not hashed.matches(key[:-1] + ("A" if key[-1] != "A" else "B"))
+    assert key not in str(hashed.to_json())
+    assert HashedKey.from_json(hashed.to_json()) == hashed
+
+
+def test_same_key_hashed_twice_gets_different_salts() -> None:
+    key = new_key()
+    a, b = HashedKey.of(key), HashedKey.of(key)
+    assert a.salt != b.salt and a.digest != b.digest
+    assert a.lookup_id == b.lookup_id == lookup_id(key)
+
+
+def test_new_keys_are_unique_and_long() -> None:
+    keys = {new_key() for _ in range(100)}
+    assert len(keys) == 100
+    assert all(len(k) >= 40 and k.startswith("lpx-") for k in keys)
+
+
+# --- settings ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tenant", "field"),
+    [
+        ({"id": "Acme"}, "id"),
+        ({"id": "аcme"}, "id"),  # Cyrillic а
+        ({"id": "a/b"}, "id"),
+        ({"id": "acme", "api_keys": ["short"]}, "api_keys"),
+        ({"id": "acme", "weight": 0}, "weight"),
+        ({"id": "acme", "quotas": {"tokens_per_minute": -1}}, "tokens_per_minute"),
+    ],
+)
+def test_bad_tenant_config_names_the_field(tenant: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        TenantConfig.model_validate(tenant)
+    assert field in str(e.value)
+
+
+def test_duplicate_ids_and_shared_keys_are_refused() -> None:
+    with pytest.raises(ValidationError, match="duplicate tenant ids"):
+        settings(tenants=[{"id": "a"}, {"id": "a"}])
+    with pytest.raises(ValidationError, match="same api key"):
+        settings(tenants=[{"id": "a", "api_keys": [ACME_KEY]}, {"id": "b", "api_keys": [ACME_KEY]}])
+
+
+# --- namespaces --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        ("acme/bot", True),
+        ("acme/bot@3f2a", True),
+        ("shared-demo", True),
+        ("globex/bot", False),
+        ("globex/bot@3f2a", False),
+        ("Acme/bot", False),
+        ("ACME/bot", False),
+        ("аcme/bot", False),  # Cyrillic а
+        ("acme\u200b/bot", False),  # zero-width space
+        ("acme/../globex/bot", False),
+        ("acme/globex/bot", False),
+        ("acme/..", False),
+        ("acme/bοt", False),  # Greek ο in the adapter part
+        ("acme/", False),
+    ],
+)
+def test_tenant_may_use_only_its_namespace(name: str, allowed: bool) -> None:
+    directory = TenantDirectory(two_tenants(), None, None)
+    acme = directory.authenticate(ACME_KEY)
+    assert acme.may_use(name) is allowed
+
+
+def test_global_adapters_can_be_unshared() -> None:
+    acme = TenantDirectory(two_tenants(), None, None).authenticate(ACME_KEY)
+    assert not acme.may_use("shared-demo", share_global=False)
+
+
+# --- quotas ------------------------------------------------------------------------------------
+def test_token_bucket_refills_continuously_up_to_one_minute() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(60, clock)
+    assert all(bucket.try_take() == 0.0 for _ in range(60))
+    assert bucket.try_take() == pytest.approx(1.0)
+    clock.now += 0.5
+    assert bucket.try_take() == pytest.approx(0.5)
+    clock.now += 3600
+    assert all(bucket.try_take() == 0.0 for _ in range(60))
+    assert bucket.try_take() > 0
+
+
+def test_quota_gate_reasons_and_retry_after() -> None:
+    clock = FakeClock()
+    gate = QuotaGate(Quotas(max_concurrent=2, requests_per_minute=3, tokens_per_minute=600), clock)
+    gate.admit()
+    gate.admit()
+    with pytest.raises(RateLimited) as e:
+        gate.admit()
+    assert e.value.reason == "max_concurrent" and e.value.headers["Retry-After"] == "1"
+    gate.release(0)
+    gate.admit()
+    gate.release(0)
+    gate.release(0)
+    with pytest.raises(RateLimited) as e:
+        gate.admit()
+    assert e.value.reason == "requests_per_minute"
+    assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
+    assert e.value.headers["Retry-After"] == "20"  # 1 request per 20 s
+    clock.now += 20
+    gate.admit()
+    gate.release(1200)  # 600 tokens of debt: 60 s to repay at 10 tokens/s
+    with pytest.raises(RateLimited) as e:
+        gate.admit()
+    assert e.value.reason == "tokens_per_minute"
+    assert int(e.value.headers["Retry-After"]) == 60
+
+
+def test_changed_quotas_apply_without_losing_in_flight_count() -> None:
+    admission = Admission(settings())
+    directory = TenantDirectory(two_tenants(), None, None)
+    acme = directory.authenticate(ACME_KEY)
+
+    async def run() -> None:
+        first = admission.enter(acme)
+        tighter = acme.__class__(**{**acme.__dict__, "quotas": Quotas(max_concurrent=1)})
+        with pytest.raises(RateLimited):
+            admission.enter(tighter)
+        first.close(0)
+        admission.enter(tighter).close(0)
+
+    asyncio.run(run())
+
+
+def test_queue_full_refuses_without_counting_against_quota() -> None:
+    admission = Admission(settings(max_running=1, max_queued=1))
+    acme = TenantDirectory(two_tenants(), None, None).authenticate(ACME_KEY)
+
+    async def run() -> None:
+        running = admission.enter(acme)
+        queued = admission.enter(acme)
+        with pytest.raises(QueueFull) as e:
+            admission.enter(acme)
+        assert e.value.status == 503
+        running.close(0)
+        queued.close(0)
+
+    asyncio.run(run())
+
+
+# --- directory ---------------------------------------------------------------------------------
+def test_open_mode_without_keys_and_admin_token_never_a_tenant_key() -> None:
+    directory = TenantDirectory(settings(), None, SecretStr(ADMIN))
+    assert directory.open_mode
+    assert "no API keys configured" in directory.describe_mode()
+    assert directory.authenticate(None).source is TenantSource.DEFAULT
+    assert directory.authenticate("anything").id == "default"
+    with pytest.raises(Unauthorized):
+        directory.authenticate(ADMIN)
+    assert directory.is_admin(ADMIN)
+    assert not directory.is_admin("admin-token-0123456789abcdeX")
+    assert not directory.is_admin(None)
+
+
+def test_authenticate_by_key() -> None:
+    directory = TenantDirectory(two_tenants(), None, SecretStr(ADMIN))
+    assert not directory.open_mode
+    assert directory.authenticate(ACME_KEY).id == "acme"
+    assert directory.authenticate(GLOBEX_KEY).id == "globex"
+    for bad in (None, "", "wrong-key-0123456789", ACME_KEY.upper(), ACME_KEY + " ", ADMIN):
+        with pytest.raises(Unauthorized):
+            directory.authenticate(bad)
+    assert not directory.is_admin(ACME_KEY)
+
+
+def test_config_key_equal_to_admin_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="admin_token"):
+        TenantDirectory(
+            settings(tenants=[{"id": "acme", "api_keys": [ADMIN]}]), None, SecretStr(ADMIN)
+        )
+
+
+def test_stored_tenants_survive_a_restart_and_keys_rotate(tmp_path: Path) -> None:
+    def directory() -> TenantDirectory:
+        store = TenantStore(LocalStore(tmp_path), "tenants/")
+        return TenantDirectory(two_tenants(), store, SecretStr(ADMIN))
+
+    async def run() -> None:
+        first = directory()
+        await first.load()
+        tenant, key = await first.create("initech", "Initech", 3.0, Quotas(max_concurrent=4))
+        assert first.authenticate(key).id == "initech"
+        assert key not in (tmp_path / "tenants" / "initech.json").read_text()
+        with pytest.raises(TenantConflict):
+            await first.create("initech", "", 1.0, Quotas())
+        with pytest.raises(TenantConflict):
+            await first.create("acme", "", 1.0, Quotas())
+        with pytest.raises(TenantConflict):
+            await first.update("acme", weight=5)
+
+        second = directory()
+        await second.load()
+        restored = second.authenticate(key)
+        assert (restored.weight, restored.quotas.max_concurrent) == (3.0, 4)
+
+        _, new = await second.rotate_key("initech")
+        with pytest.raises(Unauthorized):
+            second.authenticate(key)
+        assert second.authenticate(new).id == "initech"
+        _, kept = await second.rotate_key("initech", keep_old=True)
+        assert second.authenticate(new).id == second.authenticate(kept).id == "initech"
+
+        await first.load()  # another replica follows the store
+        with pytest.raises(Unauthorized):
+            first.authenticate(key)
+        assert first.authenticate(kept).id == "initech"
+
+        await second.delete("initech")
+        await first.load()
+        with pytest.raises(Unauthorized):
+            first.authenticate(kept)
+        assert [t.id for t in first.tenants()] == ["acme", "globex"]
+
+    asyncio.run(run())
+
+
+def test_public_view_shows_no_secret() -> None:
+    directory = TenantDirectory(two_tenants(), None, None)
+    view = str(directory.get("acme").public_view())
+    hashed = directory.get("acme").keys[0]
+    assert ACME_KEY not in view and hashed.digest not in view and hashed.salt not in view
+    assert hashed.key_id in view
