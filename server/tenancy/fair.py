@@ -75,7 +75,8 @@ class Ticket:
 
     @property
     def dispatched(self) -> bool:
-        return self._waiter.future.done()
+        future = self._waiter.future
+        return future.done() and not future.cancelled()
 
     def close(self) -> None:
         if self._closed:

@@ -95,6 +95,6 @@ def open_default_tenant() -> Tenant:
         id=DEFAULT_TENANT_ID,
         display_name="open default tenant",
         weight=1.0,
-        quotas=Quotas(),  # type: ignore[call-arg]
+        quotas=Quotas(),
         source=TenantSource.DEFAULT,
     )

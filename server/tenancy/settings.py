@@ -19,10 +19,12 @@ DEFAULT_TENANT_ID = "default"
 class Quotas(BaseModel):
     """Per-tenant limits; 0 means unlimited. Exceeding one answers 429 with Retry-After."""
 
-    max_concurrent: int = Field(0, ge=0, description="Requests of the tenant in flight at once.")
-    requests_per_minute: int = Field(0, ge=0, description="Requests admitted per minute.")
+    max_concurrent: int = Field(
+        default=0, ge=0, description="Requests of the tenant in flight at once."
+    )
+    requests_per_minute: int = Field(default=0, ge=0, description="Requests admitted per minute.")
     tokens_per_minute: int = Field(
-        0,
+        default=0,
         ge=0,
         description="Prompt plus generated tokens per minute (charged when they are known).",
     )
@@ -34,10 +36,10 @@ class TenantConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
     id: str = Field(pattern=TENANT_ID_PATTERN, description="Stable id; the adapter namespace.")
-    display_name: str = Field("", max_length=200)
+    display_name: str = Field(default="", max_length=200)
     api_keys: list[SecretStr] = Field(default_factory=list, description="Plain keys (hashed).")
-    weight: float = Field(1.0, gt=0.0, le=1000.0, description="Fair-share weight.")
-    quotas: Quotas = Field(default_factory=Quotas)  # type: ignore[arg-type]
+    weight: float = Field(default=1.0, gt=0.0, le=1000.0, description="Fair-share weight.")
+    quotas: Quotas = Field(default_factory=lambda: Quotas())
 
     @field_validator("api_keys")
     @classmethod
@@ -55,25 +57,26 @@ class TenancySettings(BaseModel):
         "tenant `default` serves every request without a key.",
     )
     store_prefix: str = Field(
-        "tenants/", description="Prefix of tenant records in the adapter catalog's object store."
+        default="tenants/",
+        description="Prefix of tenant records in the adapter catalog's object store.",
     )
     max_running: int = Field(
-        16,
+        default=16,
         ge=1,
         description="Requests dispatched to the engine at once; the rest wait in fair queues. "
         "Small values keep a flooding tenant's batch from slowing everyone's prefill.",
     )
     max_queued: int = Field(
-        256, ge=0, description="Requests waiting across all tenants; one more answers 503."
+        default=256, ge=0, description="Requests waiting across all tenants; one more answers 503."
     )
     active_window_s: float = Field(
-        10.0,
+        default=10.0,
         gt=0.0,
         description="A tenant seen within this many seconds keeps its share of `max_running` "
         "reserved, so its next request need not wait behind another tenant's backlog.",
     )
     adapter_label_top_k: int = Field(
-        20,
+        default=20,
         ge=0,
         le=1000,
         description="Adapters that get their own metrics label (the first K seen); others are "

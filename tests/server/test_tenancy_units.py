@@ -239,8 +239,8 @@ def test_stored_tenants_survive_a_restart_and_keys_rotate(tmp_path: Path) -> Non
     async def run() -> None:
         first = directory()
         await first.load()
-        tenant, key = await first.create("initech", "Initech", 3.0, Quotas(max_concurrent=4))
-        assert first.authenticate(key).id == "initech"
+        created, key = await first.create("initech", "Initech", 3.0, Quotas(max_concurrent=4))
+        assert first.authenticate(key).id == created.id == "initech"
         assert key not in (tmp_path / "tenants" / "initech.json").read_text()
         with pytest.raises(TenantConflict):
             await first.create("initech", "", 1.0, Quotas())

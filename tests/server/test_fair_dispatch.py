@@ -1,0 +1,149 @@
+"""The fair dispatcher with simulated tenants on a real event loop (no engine: pure scheduling)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from loraplex.server.tenancy.errors import QueueFull
+from loraplex.server.tenancy.fair import FairDispatcher, Ticket
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_backlogged_tenants_share_slots_by_weight() -> None:
+    """Two tenants with deep backlogs and weights 3:1 get dispatches in a 3:1 ratio."""
+
+    async def scenario() -> Counter[str]:
+        d = FairDispatcher(max_running=1, max_queued=1000, active_window_s=10.0)
+        tickets = [d.enqueue("a", 3.0) for _ in range(200)] + [
+            d.enqueue("b", 1.0) for _ in range(200)
+        ]
+        served: Counter[str] = Counter()
+        # The first "a" ticket was dispatched on arrival; serve 200 requests in dispatch order.
+        for _ in range(200):
+            current = next(t for t in tickets if t.dispatched and not t._closed)
+            served[current.tenant_id] += 1
+            current.close()
+        for t in tickets:
+            t.close()
+        return served
+
+    served = run(scenario())
+    assert served["a"] == pytest.approx(150, abs=2)
+    assert served["b"] == pytest.approx(50, abs=2)
+
+
+def test_light_tenant_is_served_before_a_flooding_tenants_backlog() -> None:
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=2, max_queued=1000, active_window_s=10.0)
+        flood = [d.enqueue("a", 1.0) for _ in range(50)]
+        light = d.enqueue("b", 1.0)
+        assert sum(t.dispatched for t in flood) == 2
+        next(t for t in flood if t.dispatched).close()
+        assert light.dispatched  # next in line despite 48 older requests of "a"
+        for t in [*flood, light]:
+            t.close()
+
+    run(scenario())
+
+
+def test_active_light_tenant_finds_a_reserved_slot() -> None:
+    """Once "b" has been seen, "a" may not fill every slot, so b's next request starts at once."""
+
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=8, max_queued=1000, active_window_s=10.0)
+        first_b = d.enqueue("b", 1.0)
+        first_b.close()
+        flood = [d.enqueue("a", 1.0) for _ in range(100)]
+        running_a = sum(t.dispatched for t in flood)
+        assert 5 <= running_a < 8  # b keeps its demand (1) plus one slot of headroom
+        b = d.enqueue("b", 1.0)
+        assert b.dispatched
+        for t in [*flood, b]:
+            t.close()
+
+    run(scenario())
+
+
+def test_lone_tenant_gets_every_slot_and_idle_tenants_stop_reserving() -> None:
+    now = [0.0]
+    d = FairDispatcher(max_running=8, max_queued=1000, active_window_s=10.0, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        d.enqueue("b", 1.0).close()
+        now[0] = 11.0  # b has been idle longer than the window
+        flood = [d.enqueue("a", 1.0) for _ in range(20)]
+        assert sum(t.dispatched for t in flood) == 8
+        for t in flood:
+            t.close()
+
+    run(scenario())
+
+
+def test_cancelled_while_queued_is_never_dispatched() -> None:
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=1, max_queued=10, active_window_s=10.0)
+        holder = d.enqueue("a", 1.0)
+        waiter = d.enqueue("a", 1.0)
+        later = d.enqueue("a", 1.0)
+        dispatched: list[Ticket] = []
+
+        async def client(ticket: Ticket) -> None:
+            try:
+                await ticket.wait()
+                dispatched.append(ticket)
+            finally:
+                ticket.close()
+
+        task = asyncio.create_task(client(waiter))
+        later_task = asyncio.create_task(client(later))
+        await settle()
+        task.cancel()
+        await settle()
+        assert d.queued("a") == 1
+        holder.close()
+        await settle()
+        assert dispatched == [later]
+        assert not waiter.dispatched
+        await later_task
+        assert (d.queued("a"), d.running("a")) == (0, 0)
+
+    run(scenario())
+
+
+def test_bounded_queue_refuses_when_full_but_not_when_a_slot_is_free() -> None:
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=2, max_queued=2, active_window_s=10.0)
+        tickets = [d.enqueue("a", 1.0) for _ in range(4)]  # 2 running + 2 queued
+        with pytest.raises(QueueFull, match="max_queued is 2"):
+            d.enqueue("b", 1.0)
+        tickets[0].close()  # a slot frees and a queued request takes it: one queue place frees
+        tickets.append(d.enqueue("b", 1.0))
+        for t in tickets:
+            t.close()
+        assert d.queued("a") == d.running("a") == d.running("b") == 0
+
+    run(scenario())
+
+
+def test_queue_time_is_measured() -> None:
+    async def scenario() -> float:
+        d = FairDispatcher(max_running=1, max_queued=10, active_window_s=10.0)
+        holder = d.enqueue("a", 1.0)
+        waiter = d.enqueue("a", 1.0)
+        asyncio.get_running_loop().call_later(0.05, holder.close)
+        queued = await waiter.wait()
+        waiter.close()
+        return queued
+
+    assert 0.04 <= run(scenario()) < 1.0

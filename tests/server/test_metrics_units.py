@@ -1,0 +1,157 @@
+"""Metric names, units and label bounds; the access-log middleware on a minimal ASGI app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from loraplex.server.access_log import AccessLogMiddleware, record_of
+from loraplex.server.metrics import OTHER_LABEL, AdapterLabels, GatewayMetrics
+from loraplex.server.tenancy.record import RequestRecord
+
+UNIT_SUFFIXES = ("_seconds", "_total", "_tokens_per_second", "_queued", "_running")
+
+
+def finished_record(adapter: str | None = "acme/bot") -> RequestRecord:
+    r = RequestRecord("rid", "POST", "/v1/chat/completions", started=100.0)
+    r.tenant, r.model, r.adapter, r.status = "acme", adapter or "base-model", adapter, 200
+    r.queued_s, r.prompt_tokens = 0.02, 7
+    r.on_tokens(1, 100.1)
+    r.on_tokens(2, 100.3)
+    r.on_tokens(1, 100.4)
+    r.finished_at = 100.5
+    return r
+
+
+def test_record_derived_timings() -> None:
+    r = finished_record()
+    assert r.ttft_s == pytest.approx(0.1)
+    assert r.tpot_s == pytest.approx(0.1)  # 0.3 s over 3 tokens after the first
+    assert r.output_tokens_per_s == pytest.approx(4 / 0.4)
+    assert r.e2e_s == pytest.approx(0.5)
+    assert r.inter_token_latencies() == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_every_metric_is_prefixed_and_in_base_units() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, adapter_label_top_k=5)
+    metrics.watch_queues(lambda: {"acme": (3, 2)})
+    metrics.observe_request(finished_record())
+    metrics.observe_rejection("acme", "requests_per_minute")
+    families = list(registry.collect())
+    assert families
+    for family in families:
+        assert family.name.startswith("loraplex_"), family.name
+        assert ":" not in family.name
+        names = {s.name for s in family.samples}
+        assert any(n.endswith(UNIT_SUFFIXES) or "_bucket" in n for n in names), names
+    text = generate_latest(registry).decode()
+    assert (
+        'loraplex_time_to_first_token_seconds_count{adapter="acme/bot",tenant="acme"} 1.0' in text
+    )
+    assert 'loraplex_generation_tokens_total{adapter="acme/bot",tenant="acme"} 4.0' in text
+    assert 'loraplex_prompt_tokens_total{adapter="acme/bot",tenant="acme"} 7.0' in text
+    assert (
+        'loraplex_requests_total{adapter="acme/bot",error_type="none",status="200",tenant="acme"}'
+        in text
+    )
+    assert 'loraplex_rejections_total{reason="requests_per_minute",tenant="acme"} 1.0' in text
+    assert 'loraplex_requests_queued{tenant="acme"} 3.0' in text
+    assert (
+        'loraplex_inter_token_latency_seconds_count{adapter="acme/bot",tenant="acme"} 3.0' in text
+    )
+
+
+def test_adapter_label_is_bounded_and_stable() -> None:
+    labels = AdapterLabels(top_k=2)
+    assert labels(None) == "base"
+    assert [labels(a) for a in ("x/1", "x/2", "x/3", "x/1", "x/4", "x/2")] == [
+        "x/1",
+        "x/2",
+        OTHER_LABEL,
+        "x/1",
+        OTHER_LABEL,
+        "x/2",
+    ]
+
+
+def test_adapter_label_can_be_left_out() -> None:
+    registry = CollectorRegistry()
+    GatewayMetrics(registry, adapter_label_top_k=0).observe_request(finished_record())
+    text = generate_latest(registry).decode()
+    assert "adapter=" not in text
+    assert 'loraplex_time_to_first_token_seconds_count{tenant="acme"} 1.0' in text
+
+
+def test_many_adapters_make_a_bounded_number_of_series() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, adapter_label_top_k=3)
+    for i in range(200):
+        metrics.observe_request(finished_record(f"acme/a{i}"))
+    ttft_series = {
+        tuple(sorted(s.labels.items()))
+        for f in registry.collect()
+        if f.name == "loraplex_time_to_first_token_seconds"
+        for s in f.samples
+        if s.name.endswith("_count")
+    }
+    assert len(ttft_series) == 4  # three named adapters and `other`
+
+
+def _app(metrics: GatewayMetrics) -> AccessLogMiddleware:
+    async def chat(request: Request) -> StreamingResponse:
+        record = record_of(request)
+        assert record is not None
+        record.tenant, record.model, record.adapter = "acme", "acme/bot", "acme/bot"
+
+        async def body():
+            for i in range(3):
+                record.on_tokens(1, asyncio.get_running_loop().time())
+                yield f"data: {i}\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def missing(request: Request) -> JSONResponse:
+        err = {"message": "no", "type": "invalid_request_error", "code": "model_not_found"}
+        return JSONResponse({"error": err}, status_code=404)
+
+    app = Starlette(routes=[Route("/v1/chat", chat, methods=["POST"]), Route("/v1/x", missing)])
+    return AccessLogMiddleware(app, metrics)
+
+
+def test_access_log_honours_or_generates_request_id(caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    app = _app(GatewayMetrics(registry, adapter_label_top_k=5))
+
+    async def calls() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            given = await client.post("/v1/chat", headers={"x-request-id": "req-42"})
+            generated = await client.post("/v1/chat", headers={"x-request-id": "bad id\n"})
+            missing = await client.get("/v1/x")
+            return given, generated, missing
+
+    with caplog.at_level(logging.INFO, logger="loraplex.access"):
+        given, generated, _ = asyncio.run(calls())
+    assert given.headers["x-request-id"] == "req-42"
+    assert len(generated.headers["x-request-id"]) == 32
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "loraplex.access"]
+    assert [line["request_id"] for line in lines[:2]] == [
+        "req-42",
+        generated.headers["x-request-id"],
+    ]
+    first = lines[0]
+    assert (first["tenant"], first["adapter"], first["status"]) == ("acme", "acme/bot", 200)
+    assert first["completion_tokens"] == 3 and first["ttft_ms"] is not None
+    assert (lines[2]["status"], lines[2]["error_type"]) == (404, "model_not_found")
+    text = generate_latest(registry).decode()
+    assert 'error_type="model_not_found",status="404",tenant="unknown"' in text
