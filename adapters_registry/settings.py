@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field
+
+SafetensorsDtype = Literal["F16", "BF16", "F32"]
 
 
 class RegistrySettings(BaseModel):
@@ -50,8 +52,8 @@ class RegistrySettings(BaseModel):
     max_adapter_mib: int = Field(
         2048, ge=1, description="Largest adapter (config + weights) accepted at registration."
     )
-    allowed_dtypes: list[Literal["F16", "BF16", "F32"]] = Field(
-        default_factory=lambda: ["F16", "BF16", "F32"],
+    allowed_dtypes: list[SafetensorsDtype] = Field(
+        default_factory=lambda: list(get_args(SafetensorsDtype)),
         description="safetensors dtypes an adapter's tensors may have.",
     )
     delete_drain_s: float = Field(

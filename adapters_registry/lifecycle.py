@@ -1,0 +1,104 @@
+"""Opening the registry in the server's lifespan.
+
+    async with open_adapter_source(
+        settings.registry, engine, model_dir=..., base_model_name=..., max_lora_rank=...,
+        max_loras=..., max_cpu_loras=..., cache_root=settings.cache_dir / "adapters",
+        seed_dir=demo_adapters_dir,  # optional: registered at start if settings has no local_dir
+    ) as registry:
+        ...  # registry.lease(name) / registry.names() for the gateway, the rest for admin routes
+
+Start-up reads the base model's config and safetensors headers, rebuilds the disk cache index from
+disk, reads the catalog (snapshot + log tail), registers the adapters of `registry.local_dir` (or
+`seed_dir`; idempotent: unchanged ones are already there), then polls the store every
+`registry.poll_interval_s` for other replicas' changes until the block exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from loraplex.adapters_registry.admin import ManagedRegistry
+from loraplex.adapters_registry.base_model import load_base_model_spec
+from loraplex.adapters_registry.disk_cache import DiskCache
+from loraplex.adapters_registry.engine import EngineLoraControl
+from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.store import open_store
+from loraplex.adapters_registry.tiers import EngineTiers
+from loraplex.adapters_registry.validation import CONFIG_FILE
+
+log = logging.getLogger(__name__)
+
+
+async def build_registry(
+    settings: RegistrySettings,
+    engine: EngineLoraControl,
+    *,
+    model_dir: Path,
+    base_model_name: str,
+    max_lora_rank: int,
+    max_loras: int,
+    max_cpu_loras: int,
+    cache_root: Path,
+    metrics_registry: CollectorRegistry = REGISTRY,
+) -> ManagedRegistry:
+    """The registry with its catalog read, not yet seeded or polling (tests and benchmarks)."""
+    metrics = RegistryMetrics(metrics_registry)
+    spec = await asyncio.to_thread(load_base_model_spec, model_dir, base_model_name)
+    store = open_store(settings.store or str(cache_root / "store"), settings)
+    capacity = int(settings.disk_cache_gib * 1024**3)
+    cache = await asyncio.to_thread(DiskCache, cache_root / "disk", capacity, metrics)
+    tiers = EngineTiers(
+        engine, max_cpu=max_cpu_loras, max_pinned=max(0, max_loras - 1), metrics=metrics
+    )
+    registry = ManagedRegistry(
+        settings, store=store, cache=cache, tiers=tiers, spec=spec,
+        max_lora_rank=max_lora_rank, metrics=metrics,
+    )  # fmt: skip
+    await registry.refresh()
+    return registry
+
+
+async def seed(registry: ManagedRegistry, folder: Path) -> None:
+    """Register every adapter subfolder of `folder` under its folder name (unchanged: no-op)."""
+    for sub in sorted(p for p in folder.iterdir() if (p / CONFIG_FILE).is_file()):
+        info = await registry.register(sub.name, str(sub))
+        log.info("adapter %s registered from %s (version %s)", sub.name, sub, info.version[:12])
+
+
+@contextlib.asynccontextmanager
+async def open_adapter_source(
+    settings: RegistrySettings,
+    engine: EngineLoraControl,
+    *,
+    model_dir: Path,
+    base_model_name: str,
+    max_lora_rank: int,
+    max_loras: int,
+    max_cpu_loras: int,
+    cache_root: Path,
+    seed_dir: Path | None = None,
+    metrics_registry: CollectorRegistry = REGISTRY,
+) -> AsyncIterator[ManagedRegistry]:
+    """The server's registry for the life of the block (see the module docstring)."""
+    registry = await build_registry(
+        settings, engine, model_dir=model_dir, base_model_name=base_model_name,
+        max_lora_rank=max_lora_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+        cache_root=cache_root, metrics_registry=metrics_registry,
+    )  # fmt: skip
+    folder = settings.local_dir or seed_dir
+    if folder is not None:
+        await seed(registry, folder)
+    poller = asyncio.create_task(registry.poll_forever(), name="registry-poll")
+    try:
+        yield registry
+    finally:
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller

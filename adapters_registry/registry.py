@@ -1,0 +1,233 @@
+"""The adapter registry: the `AdapterSource` the gateway leases from, and the admin operations.
+
+A lease walks an adapter down the tiers: object store -> disk cache -> engine CPU cache, then
+holds it until the request ends. Warm adapters cost two dict lookups; a cold one is loaded once
+however many requests ask at the same moment (single flight), with the download in a worker
+thread, so other streams wait at most for the engine's disk-to-memory load.
+
+Catalog writes (register, rollback, pin, delete) append to the shared log; a poll loop applies
+what other replicas appended and reconciles the engine tiers with the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from loraplex.adapters_registry.base import (
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterUnavailable,
+    ServableAdapter,
+)
+from loraplex.adapters_registry.base_model import BaseModelSpec
+from loraplex.adapters_registry.catalog import SNAPSHOT_EVERY, Catalog, VersionRecord, blob_key
+from loraplex.adapters_registry.disk_cache import CacheError, DiskCache
+from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.names import parse_ref
+from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.single_flight import SingleFlight
+from loraplex.adapters_registry.store import ObjectExists, ObjectStore, StoreError
+from loraplex.adapters_registry.tiers import EngineTier, EngineTiers
+
+log = logging.getLogger(__name__)
+_APPEND_ATTEMPTS = 20
+_FETCH_ATTEMPTS = 2  # a body that fails its hash is fetched once more before giving up
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        settings: RegistrySettings,
+        *,
+        store: ObjectStore,
+        cache: DiskCache,
+        tiers: EngineTiers,
+        spec: BaseModelSpec,
+        max_lora_rank: int,
+        metrics: RegistryMetrics,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.catalog = Catalog(store)
+        self.cache = cache
+        self.tiers = tiers
+        self.spec = spec
+        self.metrics = metrics
+        self.max_lora_rank = max_lora_rank
+        self._loads: SingleFlight[int, None] = SingleFlight()
+        self._sync_lock = asyncio.Lock()
+
+    # ---- AdapterSource ----
+
+    def names(self) -> list[str]:
+        return self.catalog.names()
+
+    def resolve(self, model: str) -> VersionRecord:
+        """The version `model` (`name` or `name@version`) names; AdapterNotFound otherwise."""
+        try:
+            ref = parse_ref(model)
+        except AdapterInvalid as e:
+            raise AdapterNotFound(f"The model `{model}` does not exist.", param="model") from e
+        return self.catalog.resolve(ref)
+
+    @asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[ServableAdapter]:
+        record = self.resolve(name)
+        engine_id = record.engine_id
+        if self.tiers.try_hold(engine_id):
+            self.metrics.hits.labels("cpu").inc()
+        else:
+            self.metrics.misses.labels("cpu").inc()
+            await self._hold_cold(record)
+        try:
+            yield self._servable(record)
+        finally:
+            await self.tiers.release(engine_id)
+
+    def _servable(self, record: VersionRecord) -> ServableAdapter:
+        return ServableAdapter(
+            name=record.name,
+            version=record.version,
+            engine_id=record.engine_id,
+            path=self.cache.path(record.version),
+            rank=record.rank,
+        )
+
+    async def _hold_cold(self, record: VersionRecord) -> None:
+        # A load can finish and be evicted again before this task resumes when more adapters
+        # than CPU slots are wanted at once; loop until the hold sticks.
+        while not self.tiers.try_hold(record.engine_id):
+            await self._loads.do(record.engine_id, lambda: self._make_resident(record))
+
+    async def _make_resident(self, record: VersionRecord) -> None:
+        try:
+            await self._ensure_on_disk(record)
+            with self.cache.in_use(record.version):
+                await self.tiers.load(self._servable(record), record.size_bytes)
+        except AdapterUnavailable:
+            raise
+        except Exception as e:
+            raise AdapterUnavailable(
+                f"adapter `{record.name}` could not be loaded: {e}", param="model"
+            ) from e
+
+    async def _ensure_on_disk(self, record: VersionRecord) -> None:
+        if self.cache.lookup(record.version) is not None:
+            self.metrics.hits.labels("disk").inc()
+            return
+        self.metrics.misses.labels("disk").inc()
+        start = time.perf_counter()
+
+        def get(entry: Any, dest: Path) -> None:
+            self.store.download(blob_key(entry.sha256), dest)
+
+        for attempt in range(_FETCH_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.cache.fetch, record.version, record.files, get)
+                break
+            except (StoreError, CacheError) as e:
+                self.metrics.load_failures.labels("disk").inc()
+                if isinstance(e, StoreError) or attempt == _FETCH_ATTEMPTS - 1:
+                    raise AdapterUnavailable(
+                        f"adapter `{record.name}` is unavailable: fetching it from "
+                        f"{self.store.uri} failed: {e}",
+                        param="model",
+                    ) from e
+        self.metrics.load_seconds.labels("disk").observe(time.perf_counter() - start)
+
+    # ---- catalog sync ----
+
+    async def refresh(self) -> None:
+        """Apply what the log gained since the last refresh, then reconcile the engine tiers."""
+        async with self._sync_lock:
+            await self._refresh_locked()
+        await self._reconcile()
+
+    async def _refresh_locked(self) -> None:
+        if self.catalog.last_seq == 0:
+            snap = await asyncio.to_thread(self.catalog.fetch_snapshot)
+            if snap is not None:
+                self.catalog.load_snapshot(snap)
+        for seq, event in await asyncio.to_thread(self.catalog.fetch_events):
+            self.catalog.apply(seq, event)
+        self.metrics.registered.set(len(self.catalog.names()))
+
+    async def _append(self, plan: Callable[[], dict[str, Any] | None]) -> None:
+        """Append the event `plan()` builds from the fresh state; retry when a replica wins."""
+        async with self._sync_lock:
+            for _ in range(_APPEND_ATTEMPTS):
+                await self._refresh_locked()
+                event = plan()
+                if event is None:
+                    return
+                seq = self.catalog.last_seq + 1
+                try:
+                    await asyncio.to_thread(self.catalog.write_event, seq, event)
+                except ObjectExists:
+                    continue
+                except StoreError as e:
+                    raise AdapterUnavailable(
+                        f"catalog write to {self.store.uri} failed: {e}"
+                    ) from e
+                self.catalog.apply(seq, event)
+                self.metrics.registered.set(len(self.catalog.names()))
+                if seq % SNAPSHOT_EVERY == 0:
+                    await asyncio.to_thread(self.catalog.write_snapshot, self.catalog.snapshot())
+                return
+        raise AdapterUnavailable("catalog is contended by other writers; try again")
+
+    async def _reconcile(self) -> None:
+        """Drop engine copies of versions no name reaches any more; apply replicas' pins."""
+        live = self.catalog.live_engine_ids()
+        for engine_id in self.tiers.loaded_ids() - live:
+            if self.tiers.leases(engine_id) == 0:
+                await self.tiers.evict(engine_id, drain_s=0)
+        wanted = set()
+        for name in self.catalog.names():
+            entry = self.catalog.entry(name)
+            if entry is not None and entry.pinned:
+                record = self.catalog.versions(name)[entry.version]
+                wanted.add(record.engine_id)
+                if record.engine_id not in self.tiers.pinned_ids():
+                    await self._pin_record(record)
+        for engine_id in self.tiers.pinned_ids() - wanted:
+            await self.tiers.unpin(engine_id)
+
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.poll_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("registry poll of %s failed; retrying", self.store.uri)
+
+    # ---- tier moves shared by the admin operations ----
+
+    async def warm(self, record: VersionRecord) -> None:
+        """Make `record` resident in the engine's CPU cache without holding it."""
+        if not self.tiers.try_hold(record.engine_id):
+            await self._hold_cold(record)
+        await self.tiers.release(record.engine_id)
+
+    async def _pin_record(self, record: VersionRecord) -> None:
+        # Hold while pinning so the fresh load is not chosen as an eviction victim meanwhile.
+        if not self.tiers.try_hold(record.engine_id):
+            await self._hold_cold(record)
+        try:
+            await self.tiers.pin(record.engine_id)
+        finally:
+            await self.tiers.release(record.engine_id)
+
+    def tier_of(self, record: VersionRecord) -> str:
+        tier = self.tiers.tier(record.engine_id)
+        if tier in (EngineTier.GPU, EngineTier.CPU):
+            return tier.value
+        if record.version in self.cache.cached():
+            return "disk"
+        return "store"

@@ -1,0 +1,68 @@
+"""Fetching an adapter from where a user points at it, and publishing its files to the store.
+
+A source is `s3://bucket/prefix/` or a local directory holding PEFT's `adapter_config.json` and
+`adapter_model.safetensors`. Registration copies those two files into the registry's own store,
+content-addressed (`blobs/sha256/<hash>`), so a version stays immutable even if the source
+prefix is overwritten later. Everything here blocks and runs in worker threads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
+from loraplex.adapters_registry.catalog import FileEntry, blob_key
+from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.store import (
+    ObjectMissing,
+    ObjectStore,
+    StoreError,
+    open_store,
+)
+from loraplex.adapters_registry.validation import ADAPTER_FILES, check_listing
+
+
+def open_source(source: str, settings: RegistrySettings) -> ObjectStore:
+    if source.startswith("s3://"):
+        try:
+            return open_store(source, settings)
+        except ValueError as e:
+            raise AdapterInvalid(str(e), param="source", reason="source") from e
+    if not Path(source).is_dir():
+        raise AdapterInvalid(
+            f"source {source!r} is neither s3://bucket/prefix nor an existing local directory",
+            param="source",
+            reason="source",
+        )
+    return LocalStore(Path(source))
+
+
+def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
+    """Download the adapter's files from `source` into `dest`, refusing pickle-only, missing or
+    oversized adapters before any weight byte moves. Raises AdapterInvalid/AdapterUnavailable."""
+    store = open_source(source, settings)
+    try:
+        top_level = [k for k in store.list_keys("") if "/" not in k]
+        sizes = {k: store.size(k) if k in ADAPTER_FILES else 0 for k in top_level}
+        check_listing(sizes, settings.max_adapter_mib * 1024 * 1024)
+        for name in ADAPTER_FILES:
+            store.download(name, dest / name)
+    except ObjectMissing as e:
+        raise AdapterInvalid(
+            f"{e} vanished from {source} during registration", param="source", reason="source"
+        ) from e
+    except StoreError as e:
+        raise AdapterUnavailable(f"cannot read source {source}: {e}", param="source") from e
+
+
+def publish_blobs(store: ObjectStore, folder: Path, files: tuple[FileEntry, ...]) -> None:
+    """Upload each file to its content address unless an object of that size is there already."""
+    for entry in files:
+        key = blob_key(entry.sha256)
+        try:
+            if store.size(key) == entry.size:
+                continue
+        except ObjectMissing:
+            pass
+        store.upload(folder / entry.name, key)

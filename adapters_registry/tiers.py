@@ -1,0 +1,201 @@
+"""The engine's tiers as the registry drives them: vLLM's CPU cache and pinned GPU slots.
+
+The registry, not vLLM's LRU, decides what the engine holds: at most `max_cpu` adapters are added
+at once (vLLM's `max_cpu_loras`), so vLLM never evicts on its own and this view always matches
+`list_loras()`. To make room the least recently used adapter with no request in flight and no pin
+is removed; when every slot is busy, a load waits for a request to finish. Pins stay below
+`max_loras` (vLLM needs a free GPU slot for unpinned adapters).
+
+All methods run on the event loop; `add_lora` awaits the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from loraplex.adapters_registry.base import AdapterConflict, ServableAdapter
+from loraplex.adapters_registry.engine import EngineLoraControl
+from loraplex.adapters_registry.metrics import RegistryMetrics
+
+
+class EngineTier(Enum):
+    LOADING = "loading"
+    CPU = "cpu"
+    GPU = "gpu"  # pinned: loaded and kept in a GPU slot
+
+
+@dataclass
+class _Slot:
+    adapter: ServableAdapter
+    size: int
+    tier: EngineTier
+    leases: int = 0
+    last_used: float = 0.0
+
+
+class EngineTiers:
+    def __init__(
+        self, engine: EngineLoraControl, *, max_cpu: int, max_pinned: int, metrics: RegistryMetrics
+    ) -> None:
+        self._engine = engine
+        self._max_cpu = max_cpu
+        self._max_pinned = max_pinned
+        self._metrics = metrics
+        self._slots: dict[int, _Slot] = {}
+        self._changed = asyncio.Condition()
+
+    # ---- views ----
+
+    @property
+    def max_pinned(self) -> int:
+        return self._max_pinned
+
+    def tier(self, engine_id: int) -> EngineTier | None:
+        slot = self._slots.get(engine_id)
+        return slot.tier if slot else None
+
+    def leases(self, engine_id: int) -> int:
+        slot = self._slots.get(engine_id)
+        return slot.leases if slot else 0
+
+    def last_used(self, engine_id: int) -> float | None:
+        slot = self._slots.get(engine_id)
+        return slot.last_used if slot else None
+
+    def loaded_ids(self) -> set[int]:
+        return {i for i, s in self._slots.items() if s.tier is not EngineTier.LOADING}
+
+    def pinned_ids(self) -> set[int]:
+        return {i for i, s in self._slots.items() if s.tier is EngineTier.GPU}
+
+    def _publish(self) -> None:
+        for tier in (EngineTier.CPU, EngineTier.GPU):
+            slots = [s for s in self._slots.values() if s.tier is tier]
+            self._metrics.resident.labels(tier.value).set(len(slots))
+            self._metrics.resident_bytes.labels(tier.value).set(sum(s.size for s in slots))
+
+    # ---- leases ----
+
+    def try_hold(self, engine_id: int) -> bool:
+        """Take a lease on a loaded adapter (no await: the routing fast path)."""
+        slot = self._slots.get(engine_id)
+        if slot is None or slot.tier is EngineTier.LOADING:
+            return False
+        slot.leases += 1
+        slot.last_used = time.time()
+        return True
+
+    async def release(self, engine_id: int) -> None:
+        slot = self._slots.get(engine_id)
+        if slot is not None:
+            slot.leases -= 1
+            slot.last_used = time.time()
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- loading and eviction ----
+
+    async def load(self, adapter: ServableAdapter, size: int) -> None:
+        """Add `adapter` to the engine's CPU cache, evicting or waiting for room. Idempotent."""
+        if adapter.engine_id in self._slots:
+            return
+        async with self._changed:
+            while len(self._slots) >= self._max_cpu:
+                victim = self._victim()
+                if victim is not None:
+                    await self._remove(victim)
+                else:
+                    await self._changed.wait()
+            self._slots[adapter.engine_id] = _Slot(adapter, size, EngineTier.LOADING)
+        start = time.perf_counter()
+        try:
+            await self._engine.add_lora(adapter)
+        except BaseException:
+            del self._slots[adapter.engine_id]
+            self._metrics.load_failures.labels("cpu").inc()
+            async with self._changed:
+                self._changed.notify_all()
+            raise
+        self._slots[adapter.engine_id].tier = EngineTier.CPU
+        self._metrics.loads.labels("cpu").inc()
+        self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - start)
+        self._publish()
+
+    def _victim(self) -> int | None:
+        idle = [
+            (s.last_used, i)
+            for i, s in self._slots.items()
+            if s.tier is EngineTier.CPU and s.leases == 0
+        ]
+        return min(idle)[1] if idle else None
+
+    async def _remove(self, engine_id: int) -> None:
+        slot = self._slots.pop(engine_id)
+        await self._engine.remove_lora(engine_id)
+        self._metrics.evictions.labels(slot.tier.value).inc()
+        self._publish()
+
+    async def pin(self, engine_id: int) -> None:
+        """Pin a loaded adapter to a GPU slot. Raises AdapterConflict past the pin limit."""
+        slot = self._slots[engine_id]
+        if slot.tier is EngineTier.GPU:
+            return
+        if len(self.pinned_ids()) >= self._max_pinned:
+            raise AdapterConflict(
+                f"cannot pin `{slot.adapter.name}`: {self._max_pinned} adapters are pinned "
+                f"already, the most engine.max_loras ({self._max_pinned + 1}) allows "
+                "(one GPU slot stays free)",
+                param="pinned",
+            )
+        await self._engine.pin_lora(engine_id)
+        slot.tier = EngineTier.GPU
+        self._metrics.loads.labels("gpu").inc()
+        self._publish()
+
+    async def unpin(self, engine_id: int) -> None:
+        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache."""
+        slot = self._slots.get(engine_id)
+        if slot is None or slot.tier is not EngineTier.GPU:
+            return
+        await self._engine.remove_lora(engine_id)
+        slot.tier = EngineTier.LOADING
+        await self._engine.add_lora(slot.adapter)
+        slot.tier = EngineTier.CPU
+        self._metrics.evictions.labels("gpu").inc()
+        self._publish()
+
+    async def evict(self, engine_id: int, drain_s: float) -> bool:
+        """Remove from the engine once no request holds it (waiting up to `drain_s`)."""
+        deadline = time.monotonic() + drain_s
+        async with self._changed:
+            while self.leases(engine_id) > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    return False
+            if engine_id not in self._slots or self.tier(engine_id) is EngineTier.LOADING:
+                return False
+            await self._remove(engine_id)
+            self._changed.notify_all()
+            return True
+
+    async def reconcile(self) -> tuple[set[int], set[int]]:
+        """Compare with the engine's own list; drop what either side holds alone.
+
+        Returns (ids the engine had that we did not, ids we had that the engine lost)."""
+        actual = await self._engine.list_loras()
+        ours = self.loaded_ids()
+        extra, lost = actual - ours - set(self._slots), ours - actual
+        for engine_id in extra:
+            await self._engine.remove_lora(engine_id)
+        for engine_id in lost:
+            if self._slots[engine_id].leases == 0:
+                del self._slots[engine_id]
+        self._publish()
+        return extra, lost
