@@ -67,6 +67,18 @@ class _QueueCollector(Collector):
         yield running
 
 
+class _EngineCollector(Collector):
+    def __init__(self, healthy: Callable[[], bool]) -> None:
+        self._healthy = healthy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "loraplex_engine_healthy",
+            "1 while the inference engine is alive, 0 once it has died.",
+            value=1.0 if self._healthy() else 0.0,
+        )
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, adapter_label_top_k: int) -> None:
         self.registry = registry
@@ -128,6 +140,10 @@ class GatewayMetrics:
     def watch_queues(self, snapshot: Callable[[], dict[str, tuple[int, int]]]) -> None:
         """Export `{tenant: (queued, running)}` as gauges, read at every scrape."""
         self.registry.register(_QueueCollector(snapshot))
+
+    def watch_engine(self, healthy: Callable[[], bool]) -> None:
+        """Export `loraplex_engine_healthy` (1 or 0), read at every scrape: what alerts watch."""
+        self.registry.register(_EngineCollector(healthy))
 
     def _labels(self, record: RequestRecord) -> list[str]:
         tenant = record.tenant or "unknown"
