@@ -67,7 +67,10 @@ async def build_registry(
 
 async def seed(registry: ManagedRegistry, folder: Path) -> None:
     """Register every adapter subfolder of `folder` under its folder name (unchanged: no-op)."""
-    for sub in sorted(p for p in folder.iterdir() if (p / CONFIG_FILE).is_file()):
+    subfolders = await asyncio.to_thread(
+        lambda: sorted(p for p in folder.iterdir() if (p / CONFIG_FILE).is_file())
+    )
+    for sub in subfolders:
         info = await registry.register(sub.name, str(sub))
         log.info("adapter %s registered from %s (version %s)", sub.name, sub, info.version[:12])
 

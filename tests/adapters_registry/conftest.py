@@ -1,0 +1,66 @@
+"""Fixtures for the registry's tests: a real S3-protocol server (moto) on loopback, tiny models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+from registry_builders import write_base_model
+from s3_fault_proxy import FaultProxy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1; boto3 speaks real HTTP + SigV4 to it."""
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():  # fmt: skip
+        os.environ.setdefault(key, value)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str) -> str:
+    name = f"reg-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def fault_proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
+    host, port = s3_endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="session")
+def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_base_model(tmp_path_factory.mktemp("dense-model"))
+
+
+@pytest.fixture(scope="session")
+def fused_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_base_model(tmp_path_factory.mktemp("fused-moe"), moe="fused")
+
+
+@pytest.fixture(scope="session")
+def per_expert_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_base_model(tmp_path_factory.mktemp("per-expert-moe"), moe="per_expert")

@@ -1,0 +1,195 @@
+"""Each kind of bad adapter is refused with a reason naming the field or tensor; good ones pass."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from registry_builders import (
+    EXPERTS,
+    adapter_config,
+    dense_tensors,
+    fused_expert_tensors,
+    per_expert_tensors,
+    write_adapter,
+)
+
+from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
+from loraplex.adapters_registry.tensors import HeaderError, read_header
+from loraplex.adapters_registry.validation import check_listing, validate_adapter
+
+
+@pytest.fixture(scope="module")
+def dense(dense_model: Path) -> BaseModelSpec:
+    return load_base_model_spec(dense_model, "tiny-llama")
+
+
+def check(folder: Path, spec: BaseModelSpec, max_rank: int = 16) -> None:
+    validate_adapter(folder, spec, max_lora_rank=max_rank, allowed_dtypes={"F16", "BF16", "F32"})
+
+
+def refused(folder: Path, spec: BaseModelSpec, reason: str, max_rank: int = 16) -> AdapterInvalid:
+    with pytest.raises(AdapterInvalid) as info:
+        check(folder, spec, max_rank)
+    assert info.value.reason == reason, info.value.message
+    assert info.value.http_status == 400
+    return info.value
+
+
+def test_base_model_spec_lists_decoder_linears_with_shapes(dense: BaseModelSpec) -> None:
+    assert dense.linear["model.layers.1.self_attn.k_proj"] == (16, 32)
+    assert dense.linear["model.layers.0.mlp.down_proj"] == (32, 64)
+    assert "lm_head" not in dense.linear and "model.embed_tokens" not in dense.linear
+    assert dense.moe is None
+
+
+def test_valid_dense_adapter_passes(tmp_path: Path, dense: BaseModelSpec) -> None:
+    check(write_adapter(tmp_path / "a"), dense)
+
+
+def test_rank_above_max_lora_rank(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a", adapter_config(rank=32), dense_tensors(rank=32))
+    err = refused(folder, dense, "rank", max_rank=16)
+    assert "r=32" in err.message and "max_lora_rank=16" in err.message and err.param == "r"
+
+
+def test_wrong_shape_names_the_tensor(tmp_path: Path, dense: BaseModelSpec) -> None:
+    tensors = dense_tensors()
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[name] = np.zeros((32, 4), dtype=np.float16)  # v_proj's out is 16
+    err = refused(write_adapter(tmp_path / "a", tensors=tensors), dense, "tensor_shape")
+    assert err.param == name and "[32, 4]" in err.message and "[16, 4]" in err.message
+
+
+def test_rank_mismatch_between_config_and_tensors(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a", adapter_config(rank=8), dense_tensors(rank=4))
+    refused(folder, dense, "tensor_shape")
+
+
+def test_unknown_target_module(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a", adapter_config(targets=["q_proj", "c_attn"]))
+    err = refused(folder, dense, "target_modules")
+    assert "'c_attn'" in err.message and err.param == "target_modules"
+
+
+def test_lm_head_target_is_refused(tmp_path: Path, dense: BaseModelSpec) -> None:
+    refused(write_adapter(tmp_path / "a", adapter_config(targets=["lm_head"])), dense,
+            "target_modules")  # fmt: skip
+
+
+def test_tensor_for_a_module_the_model_lacks(tmp_path: Path, dense: BaseModelSpec) -> None:
+    tensors = dense_tensors()
+    tensors["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = np.zeros(
+        (4, 32), dtype=np.float16
+    )
+    err = refused(write_adapter(tmp_path / "a", tensors=tensors), dense, "tensor_name")
+    assert "model.layers.7.self_attn.q_proj" in err.message
+
+
+def test_missing_lora_b(tmp_path: Path, dense: BaseModelSpec) -> None:
+    tensors = dense_tensors()
+    del tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    err = refused(write_adapter(tmp_path / "a", tensors=tensors), dense, "tensor_name")
+    assert "lora_B" in err.message
+
+
+def test_disallowed_dtype(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a", tensors=dense_tensors(dtype=np.float64))
+    assert "F64" in refused(folder, dense, "dtype").message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("use_dora", True, "unsupported_feature"),
+        ("bias", "lora_only", "unsupported_feature"),
+        ("modules_to_save", ["lm_head"], "unsupported_feature"),
+        ("init_lora_weights", "pissa", "unsupported_feature"),
+        ("peft_type", "IA3", "not_lora"),
+    ],
+)
+def test_refused_features_are_named(
+    tmp_path: Path, dense: BaseModelSpec, field: str, value: object, reason: str
+) -> None:
+    folder = write_adapter(tmp_path / "a", adapter_config(**{field: value}))
+    assert refused(folder, dense, reason).param == field
+
+
+def test_dora_magnitude_tensor_is_refused(tmp_path: Path, dense: BaseModelSpec) -> None:
+    tensors = dense_tensors()
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = np.ones(
+        32, dtype=np.float16
+    )
+    refused(write_adapter(tmp_path / "a", tensors=tensors), dense, "unsupported_feature")
+
+
+def test_truncated_safetensors(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a")
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "truncated" in refused(folder, dense, "truncated").message
+
+
+def test_header_longer_than_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", 10_000) + b"{}")
+    with pytest.raises(HeaderError, match="truncated"):
+        read_header(path)
+
+
+def test_garbage_instead_of_safetensors(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a")
+    (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 4) + b"nope")
+    refused(folder, dense, "bad_safetensors")
+
+
+def test_missing_config(tmp_path: Path, dense: BaseModelSpec) -> None:
+    folder = write_adapter(tmp_path / "a")
+    (folder / "adapter_config.json").unlink()
+    refused(folder, dense, "missing_config")
+
+
+def test_listing_refuses_pickle_only_and_oversize() -> None:
+    with pytest.raises(AdapterInvalid, match="pickle") as info:
+        check_listing({"adapter_config.json": 10, "adapter_model.bin": 100}, 1000)
+    assert info.value.reason == "pickle"
+    with pytest.raises(AdapterInvalid, match="at most 1000") as info:
+        check_listing({"adapter_config.json": 10, "adapter_model.safetensors": 2000}, 1000)
+    assert info.value.reason == "size"
+    with pytest.raises(AdapterInvalid) as info:
+        check_listing({"adapter_model.safetensors": 10}, 1000)
+    assert info.value.reason == "missing_config"
+
+
+def test_moe_per_expert_form(
+    tmp_path: Path, fused_moe_model: Path, per_expert_moe_model: Path
+) -> None:
+    config = adapter_config(targets=["gate_proj", "down_proj"])
+    folder = write_adapter(tmp_path / "a", config, per_expert_tensors())
+    for model in (per_expert_moe_model, fused_moe_model):
+        check(folder, load_base_model_spec(model, "tiny-moe"))
+    bad = per_expert_tensors()
+    bad[f"base_model.model.model.layers.0.mlp.experts.{EXPERTS}.gate_proj.lora_A.weight"] = (
+        np.zeros((4, 32), dtype=np.float16)
+    )
+    folder = write_adapter(tmp_path / "b", config, bad)
+    err = refused(folder, load_base_model_spec(fused_moe_model, "tiny-moe"), "tensor_name")
+    assert f"experts.{EXPERTS}.gate_proj" in err.message
+
+
+def test_moe_fused_3d_form(tmp_path: Path, fused_moe_model: Path, dense_model: Path) -> None:
+    config = adapter_config(
+        targets=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    )
+    spec = load_base_model_spec(fused_moe_model, "tiny-moe")
+    check(write_adapter(tmp_path / "a", config, fused_expert_tensors()), spec)
+    tensors = fused_expert_tensors()
+    name = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
+    tensors[name] = np.zeros((32, 4), dtype=np.float16)  # needs (hidden, rank * experts)
+    err = refused(write_adapter(tmp_path / "b", config, tensors), spec, "tensor_shape")
+    assert err.param == name and f"[32, {4 * EXPERTS}]" in err.message
+    dense = load_base_model_spec(dense_model, "tiny-llama")
+    refused(write_adapter(tmp_path / "c", config, fused_expert_tensors()), dense, "target_modules")
