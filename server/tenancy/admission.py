@@ -17,7 +17,7 @@ from loraplex.server.tenancy.quotas import QuotaGate
 from loraplex.server.tenancy.settings import TenancySettings
 
 
-class Admitted:
+class Entry:
     """An admitted request. `wait` for the engine slot; `close(tokens)` exactly once at the end."""
 
     def __init__(self, gate: QuotaGate, ticket: Ticket) -> None:
@@ -54,7 +54,7 @@ class Admission:
             gate.set_quotas(tenant.quotas)
         return gate
 
-    def enter(self, tenant: Tenant, cost: float = 1.0) -> Admitted:
+    def enter(self, tenant: Tenant, cost: float = 1.0) -> Entry:
         """Admit one request or raise RateLimited (429) / QueueFull (503)."""
         gate = self._gate(tenant)
         gate.admit()
@@ -63,4 +63,4 @@ class Admission:
         except QueueFull:
             gate.release(0)
             raise
-        return Admitted(gate, ticket)
+        return Entry(gate, ticket)

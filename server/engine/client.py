@@ -1,0 +1,150 @@
+"""The one object that talks to vLLM's AsyncLLM: start, stream, abort, LoRA control, health.
+
+Contract:
+- `generate` yields `RequestOutputKind.DELTA` outputs (only what is new since the last one). If the
+  caller stops iterating (client gone, task cancelled, error), the engine request is aborted before
+  the generator closes, so no request is left running in the engine.
+- Engine ids are owned here: an id once bound to an adapter version is never bound to another
+  (vLLM silently keeps serving the old weights if an id is reused for a different path).
+- Engine death is sticky: `healthy` turns False and every later call raises `EngineUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraplex.adapters_registry.base import ServableAdapter
+from loraplex.server.engine.builder import engine_kwargs, export_engine_environment
+from loraplex.server.errors import EngineUnavailable, InvalidRequest
+from loraplex.server.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+
+class EngineIdConflict(RuntimeError):
+    """An engine id was offered for a second, different adapter version."""
+
+
+class EngineClient:
+    def __init__(self, engine: AsyncLLM, tokenizer: Any, max_model_len: int) -> None:
+        self._engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._bound_ids: dict[int, tuple[str, str, Path]] = {}
+
+    @classmethod
+    async def start(
+        cls, settings: EngineSettings, model_dir: Path, served_name: str
+    ) -> EngineClient:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        export_engine_environment(settings)
+        args = AsyncEngineArgs(**engine_kwargs(settings, model_dir, served_name))
+        engine = AsyncLLM.from_engine_args(args)
+        tokenizer = engine.get_tokenizer()
+        if inspect.isawaitable(tokenizer):  # vLLM < 0.30 made this a coroutine
+            tokenizer = await tokenizer
+        return cls(engine, tokenizer, settings.max_model_len)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    # --- health --------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return not self._engine.errored
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine front end still tracks (vLLM's own count)."""
+        return int(self._engine.output_processor.get_num_unfinished_requests())
+
+    def _raise_if_dead(self) -> None:
+        if self._engine.errored:
+            raise EngineUnavailable("The inference engine is not running.") from (
+                self._engine.dead_error
+            )
+
+    # --- generation ----------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        adapter: ServableAdapter | None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self._raise_if_dead()
+        request_id = request_id or uuid.uuid4().hex
+        lora = self._lora_request(adapter) if adapter else None
+        stream = self._engine.generate(
+            {"prompt_token_ids": prompt_token_ids},
+            sampling_params,
+            request_id,
+            lora_request=lora,
+        )
+        finished = False
+        try:
+            async for output in stream:
+                finished = output.finished
+                yield output
+        except ValueError as e:  # vLLM's input validation (e.g. a token id out of vocabulary)
+            raise InvalidRequest(str(e)) from e
+        except Exception as e:
+            if self._engine.errored:
+                raise EngineUnavailable("The inference engine stopped.") from e
+            raise
+        finally:
+            if not finished:
+                # Shielded: the caller may be cancelled, but the abort must still reach the engine.
+                await asyncio.shield(self._abort(request_id))
+            await stream.aclose()
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._engine.abort(request_id)
+        except Exception:  # the engine may already be dead; nothing left to abort then
+            log.warning("abort of request %s failed", request_id, exc_info=True)
+
+    # --- LoRA control (used by the adapter registry's tier manager) -----------------------
+    def _lora_request(self, adapter: ServableAdapter) -> LoRARequest:
+        from vllm.lora.request import LoRARequest
+
+        binding = (adapter.name, adapter.version, adapter.path)
+        bound = self._bound_ids.setdefault(adapter.engine_id, binding)
+        if bound[1] != adapter.version or bound[2] != adapter.path:
+            raise EngineIdConflict(
+                f"engine id {adapter.engine_id} is bound to {bound[0]}@{bound[1]}; "
+                f"refusing to reuse it for {adapter.name}@{adapter.version}"
+            )
+        return LoRARequest(
+            lora_name=f"{adapter.name}@{adapter.version}",
+            lora_int_id=adapter.engine_id,
+            lora_path=str(adapter.path),
+        )
+
+    async def add_lora(self, adapter: ServableAdapter) -> None:
+        self._raise_if_dead()
+        await self._engine.add_lora(self._lora_request(adapter))
+
+    async def remove_lora(self, engine_id: int) -> None:
+        self._raise_if_dead()
+        await self._engine.remove_lora(engine_id)
+
+    async def pin_lora(self, engine_id: int) -> None:
+        self._raise_if_dead()
+        await self._engine.pin_lora(engine_id)
+
+    async def list_loras(self) -> set[int]:
+        self._raise_if_dead()
+        return set(await self._engine.list_loras())

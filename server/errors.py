@@ -1,0 +1,153 @@
+"""One error hierarchy for the gateway, mapped to OpenAI's error envelope in one place.
+
+Every error a client can see is an `ApiError` (or an `AdapterError` from the registry, translated
+here). The body is always `{"error": {"message", "type", "param", "code"}}`, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplex.adapters_registry.base import AdapterError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered to the client. Subclasses fix status, type and code."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist or you do not have access to it.", param="model"
+        )
+
+
+class Unauthenticated(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class EngineOverloaded(ApiError):
+    status = 503
+    type = "server_error"
+    code = "engine_overloaded"
+
+
+class EngineUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "engine_unavailable"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+def error_body(
+    message: str, type_: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.message, error.type, error.code, error.param),
+        status_code=error.status,
+        headers=error.headers,
+    )
+
+
+def as_api_error(error: AdapterError) -> ApiError:
+    """The registry's errors carry their own HTTP status; keep it, wrap it in the envelope."""
+    translated = ApiError(error.message, param=error.param)
+    translated.status = error.http_status
+    translated.code = error.code
+    translated.type = "invalid_request_error" if error.http_status < 500 else "server_error"
+    return translated
+
+
+def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str]:
+    """('messages.0.role', "`messages.0.role`: Input should be 'system', 'user' or ...")."""
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or "body"
+    return param, f"`{param}`: {err.get('msg', 'invalid value')}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(AdapterError)
+    async def _adapter_error(_: Request, exc: AdapterError) -> JSONResponse:
+        return error_response(as_api_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        param, message = _describe_validation_error(errors[0]) if errors else ("body", "invalid")
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more errors)"
+        return error_response(InvalidRequest(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(
+            error_body(str(exc.detail), type_, None), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse(
+            error_body("Internal server error.", "server_error", "internal_error"),
+            status_code=500,
+        )

@@ -1,0 +1,38 @@
+"""The OpenAI-compatible routes: thin, all work happens in `generation.complete`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loraplex.server.deps import GatewayDep
+from loraplex.server.generation import complete
+from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    request: Request, body: ChatCompletionRequest, gateway: GatewayDep
+) -> JSONResponse | StreamingResponse:
+    return await complete(request, gateway, body)
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    request: Request, body: CompletionRequest, gateway: GatewayDep
+) -> JSONResponse | StreamingResponse:
+    return await complete(request, gateway, body)
+
+
+@router.get("/models")
+async def list_models(gateway: GatewayDep) -> dict[str, Any]:
+    base = {"id": gateway.base_model, "object": "model", "owned_by": "loraplex", "root": None}
+    adapters = [
+        {"id": name, "object": "model", "owned_by": "loraplex", "parent": gateway.base_model}
+        for name in gateway.adapters.names()
+    ]
+    return {"object": "list", "data": [base, *adapters]}

@@ -1,0 +1,131 @@
+"""The one typed configuration of a loraplex server, validated once at start.
+
+This is the only module that reads the environment. Values come, highest priority first, from
+keyword arguments (the CLI), `LORAPLEX_*` environment variables (nested sections use `__`, e.g.
+`LORAPLEX_ENGINE__MAX_LORAS=8`), the YAML file named by `LORAPLEX_CONFIG_FILE`, then defaults.
+Every object that needs configuration gets its section passed down; nothing else calls `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from loraplex.adapters_registry.settings import RegistrySettings
+
+CONFIG_FILE_ENV = "LORAPLEX_CONFIG_FILE"
+
+
+def default_cache_dir() -> Path:
+    """Where the embedded model, demo adapters and the adapter disk cache live by default."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "loraplex"
+
+
+class EngineSettings(BaseModel):
+    """How vLLM's AsyncLLM is built. Field names follow vLLM's engine arguments where they exist."""
+
+    model: Path | None = Field(
+        None, description="Hugging Face model directory to serve; unset serves the embedded demo."
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients use for the base model; defaults to the directory's name."
+    )
+    max_model_len: int = Field(2048, ge=16, description="Context length (prompt + output tokens).")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine batch.")
+    max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
+    max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted.")
+    dtype: str = Field("auto", description="Weight dtype passed to vLLM (auto, bfloat16, ...).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of GPU memory vLLM may take (GPU only)."
+    )
+    cpu_kv_cache_gib: int = Field(
+        2, ge=1, description="KV cache size on CPU engines (VLLM_CPU_KVCACHE_SPACE), in GiB."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs (debugging only).")
+    max_pending_requests: int = Field(
+        256,
+        ge=1,
+        description="Requests admitted to the engine at once; more are answered 503 (overloaded).",
+    )
+    seed: int = Field(0, description="Engine seed, for reproducible sampling with `seed` unset.")
+    moe_lora_kernels: bool = Field(
+        True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."
+    )
+
+    @model_validator(mode="after")
+    def _check_lora_tiers(self) -> EngineSettings:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"engine.max_cpu_loras ({self.max_cpu_loras}) must be >= "
+                f"engine.max_loras ({self.max_loras})"
+            )
+        return self
+
+
+class HttpSettings(BaseModel):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any).")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token for /admin/v1; unset disables the admin API."
+    )
+
+
+class Settings(BaseSettings):
+    """Root of the configuration. Sections are passed to the objects that use them."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LORAPLEX_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
+    http: HttpSettings = Field(default_factory=HttpSettings)  # type: ignore[arg-type]
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)  # type: ignore[arg-type]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(CONFIG_FILE_ENV)
+        if config_file:
+            if not Path(config_file).is_file():
+                raise ConfigError(f"{CONFIG_FILE_ENV}: no such file: {config_file}")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+        return tuple(sources)
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names each field and its bound."""
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build and validate the settings, turning pydantic's report into one readable error."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from e

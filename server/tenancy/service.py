@@ -1,0 +1,139 @@
+"""Tenancy as the gateway sees it: one object built in the lifespan, used by every /v1 request.
+
+Per request, in order: `authenticate` (401), then the route checks `tenant.may_use(model)` (404
+exactly like an unknown model), then `admit` (429 quota / 503 queue full, before any response
+byte), then `Admitted.generate` waits for the fair engine slot inside the response and streams the
+engine's outputs, counting tokens into the request's record. Closing frees the slot and charges
+the tenant's token quota.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from loraplex.server.metrics import GatewayMetrics
+from loraplex.server.tenancy.admission import Admission, Entry
+from loraplex.server.tenancy.directory import TenantDirectory
+from loraplex.server.tenancy.errors import QueueFull, RateLimited, Unauthorized
+from loraplex.server.tenancy.model import Tenant
+from loraplex.server.tenancy.record import RequestRecord
+from loraplex.server.tenancy.settings import TenancySettings
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, SamplingParams
+
+    from loraplex.adapters_registry.base import ServableAdapter
+    from loraplex.server.engine.client import EngineClient
+
+log = logging.getLogger(__name__)
+
+
+class Admitted:
+    """One admitted request's engine access. `close` exactly once (idempotent) at the end."""
+
+    def __init__(self, entry: Entry, record: RequestRecord | None) -> None:
+        self._entry = entry
+        self._record = record
+
+    async def generate(
+        self,
+        engine: EngineClient,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter: ServableAdapter | None,
+        request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Wait for the fair engine slot, then stream the engine's outputs.
+
+        Cancelled while waiting (client gone), the request leaves the queue and never reaches
+        the engine.
+        """
+        queued_s = await self._entry.wait()
+        record = self._record
+        if record is not None:
+            record.queued_s = queued_s
+        async with aclosing(engine.generate(prompt_token_ids, params, adapter, request_id)) as it:
+            async for output in it:
+                if record is not None:
+                    record.on_tokens(
+                        sum(len(o.token_ids) for o in output.outputs), time.monotonic()
+                    )
+                yield output
+
+    def close(self) -> None:
+        record = self._record
+        self._entry.close(record.total_tokens if record is not None else 0)
+
+
+class Tenancy:
+    def __init__(
+        self, settings: TenancySettings, directory: TenantDirectory, metrics: GatewayMetrics
+    ) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.metrics = metrics
+        self.admission = Admission(settings)
+        dispatcher = self.admission.dispatcher
+        metrics.watch_queues(
+            lambda: {
+                t: (dispatcher.queued(t), dispatcher.running(t)) for t in dispatcher.tenant_ids()
+            }
+        )
+
+    def authenticate(self, bearer: str | None, record: RequestRecord | None) -> Tenant:
+        try:
+            tenant = self.directory.authenticate(bearer)
+        except Unauthorized:
+            self.metrics.observe_rejection("unknown", "unauthorized")
+            raise
+        if record is not None:
+            record.tenant = tenant.id
+        return tenant
+
+    def admit(
+        self,
+        tenant: Tenant,
+        record: RequestRecord | None,
+        *,
+        model: str,
+        adapter: str | None,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Admitted:
+        """Admit one request (raises RateLimited 429 / QueueFull 503); cost = its token budget."""
+        if record is not None:
+            record.model, record.adapter, record.prompt_tokens = model, adapter, prompt_tokens
+        try:
+            entry = self.admission.enter(tenant, cost=float(prompt_tokens + max_tokens))
+        except (RateLimited, QueueFull) as e:
+            self.metrics.observe_rejection(tenant.id, e.reason)
+            raise
+        return Admitted(entry, record)
+
+    @contextlib.asynccontextmanager
+    async def following_store(self, interval_s: float) -> AsyncIterator[None]:
+        """Load the stored tenants, then re-read them every `interval_s` (other replicas' edits)."""
+        await self.directory.load()
+        log.info(self.directory.describe_mode())
+
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.directory.load()
+                except Exception:
+                    log.exception("reading tenants from the store failed; retrying")
+
+        task = asyncio.create_task(poll(), name="tenants-poll")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
