@@ -18,6 +18,7 @@ class RegistryMetrics:
     """Pass a fresh CollectorRegistry per instance when several live in one process (tests)."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.collector_registry = registry
         self.loads = Counter(
             "loraplex_adapter_loads_total", "Adapters loaded into a tier.", ["tier"],
             registry=registry,

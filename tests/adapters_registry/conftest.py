@@ -64,3 +64,8 @@ def fused_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def per_expert_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_base_model(tmp_path_factory.mktemp("per-expert-moe"), moe="per_expert")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

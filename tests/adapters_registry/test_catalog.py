@@ -1,0 +1,116 @@
+"""The catalog log: replay, versions, rollback history, snapshots, and racing writers on S3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.adapters_registry import catalog as catalog_module
+from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.catalog import Catalog, FileEntry, VersionRecord
+from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.adapters_registry.names import AdapterRef, check_name, parse_ref
+from loraplex.adapters_registry.s3_store import S3Store
+from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.store import ObjectExists
+
+
+def record(name: str, version: str, engine_id: int) -> VersionRecord:
+    files = (FileEntry("adapter_config.json", "c" * 64, 10),)
+    return VersionRecord(name, version, engine_id, 8, files, "base", "s3://x/y", 0.0)
+
+
+def append(cat: Catalog, event: dict) -> int:
+    seq = cat.last_seq + 1
+    cat.write_event(seq, event)
+    cat.apply(seq, event)
+    return seq
+
+
+def replay(store: LocalStore | S3Store) -> Catalog:
+    cat = Catalog(store)
+    snap = cat.fetch_snapshot()
+    if snap:
+        cat.load_snapshot(snap)
+    for seq, event in cat.fetch_events():
+        cat.apply(seq, event)
+    return cat
+
+
+def test_register_move_rollback_delete_replay(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    cat = Catalog(store)
+    v1, v2 = "a" * 64, "b" * 64
+    append(cat, Catalog.register_event(record("acme/bot", v1, 1), pinned=False))
+    append(cat, Catalog.register_event(record("acme/bot", v2, 2), pinned=True))
+    assert cat.resolve(AdapterRef("acme/bot")).version == v2
+    assert cat.resolve(AdapterRef("acme/bot", "aaaaaaaa")).engine_id == 1
+    append(cat, Catalog.event("move", "acme/bot", version=v1, rollback=True))
+    again = replay(store)
+    for c in (cat, again):
+        entry = c.entry("acme/bot")
+        assert entry is not None and entry.version == v1 and entry.history == [] and entry.pinned
+        assert c.next_engine_id() == 3
+    append(cat, Catalog.event("delete", "acme/bot"))
+    with pytest.raises(AdapterNotFound):
+        replay(store).resolve(AdapterRef("acme/bot"))
+    assert replay(store).next_engine_id() == 3  # ids are never handed out twice
+
+
+def test_ambiguous_version_prefix(tmp_path: Path) -> None:
+    cat = Catalog(LocalStore(tmp_path))
+    append(cat, Catalog.register_event(record("bot", "abcdef12" + "0" * 56, 1), pinned=False))
+    append(cat, Catalog.register_event(record("bot", "abcdef12" + "1" * 56, 2), pinned=False))
+    with pytest.raises(AdapterInvalid, match="ambiguous"):
+        cat.resolve(AdapterRef("bot", "abcdef12"))
+    assert cat.resolve(AdapterRef("bot", "abcdef121")).engine_id == 2
+    with pytest.raises(AdapterNotFound):
+        cat.resolve(AdapterRef("bot", "cdcdcdcd"))
+
+
+def test_snapshot_then_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(catalog_module, "SNAPSHOT_EVERY", 2)
+    store = LocalStore(tmp_path)
+    cat = Catalog(store)
+    for i in range(1, 4):
+        append(cat, Catalog.register_event(record(f"bot{i}", f"{i}" * 64, i), pinned=False))
+        if cat.last_seq == 2:
+            cat.write_snapshot(cat.snapshot())
+    for key in store.list_keys("catalog/log/"):
+        if key <= catalog_module.log_key(2):
+            (tmp_path / key).unlink()  # a reader must not need the compacted events
+    again = replay(store)
+    assert again.names() == ["bot1", "bot2", "bot3"] and again.next_engine_id() == 4
+
+
+def test_two_writers_race_for_one_sequence_number(bucket: str, s3_endpoint: str) -> None:
+    settings = RegistrySettings(s3_endpoint_url=s3_endpoint)
+    a, b = (Catalog(S3Store(bucket, "shared", settings)) for _ in range(2))
+    event_a = Catalog.register_event(record("x", "a" * 64, a.next_engine_id()), pinned=False)
+    append(a, event_a)
+    with pytest.raises(ObjectExists):  # b has not seen a's event: its write must lose
+        b.write_event(1, Catalog.register_event(record("y", "b" * 64, 1), pinned=False))
+    for seq, event in b.fetch_events():
+        b.apply(seq, event)
+    append(b, Catalog.register_event(record("y", "b" * 64, b.next_engine_id()), pinned=False))
+    for seq, event in a.fetch_events():
+        a.apply(seq, event)
+    assert a.names() == b.names() == ["x", "y"]
+    assert a.resolve(AdapterRef("y")).engine_id == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "../x", "a/../b", "a/b/c", "/abs", "a\x00b", "a\nb", "x" * 129, "-lead", "a//b", "a/"],
+)
+def test_bad_names_are_refused(bad: str) -> None:
+    with pytest.raises(AdapterInvalid) as info:
+        check_name(bad)
+    assert info.value.reason == "name" and info.value.param == "name"
+
+
+def test_refs() -> None:
+    assert parse_ref("acme/bot@0123abcd") == AdapterRef("acme/bot", "0123abcd")
+    with pytest.raises(AdapterInvalid, match="hex"):
+        parse_ref("acme/bot@latest")

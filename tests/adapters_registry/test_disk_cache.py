@@ -1,0 +1,72 @@
+"""The disk tier: verify-then-rename, byte-bounded LRU, rebuild after a crash."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from loraplex.adapters_registry.catalog import FileEntry
+from loraplex.adapters_registry.disk_cache import CacheError, DiskCache
+from loraplex.adapters_registry.metrics import RegistryMetrics
+
+
+def blob(data: bytes) -> tuple[FileEntry, bytes]:
+    return FileEntry("adapter_model.safetensors", hashlib.sha256(data).hexdigest(), len(data)), data
+
+
+def make_cache(root: Path, capacity: int) -> DiskCache:
+    return DiskCache(root, capacity, RegistryMetrics(CollectorRegistry()))
+
+
+def fetch(cache: DiskCache, version: str, data: bytes, served: bytes | None = None) -> Path:
+    entry, _ = blob(data)
+    return cache.fetch(version, (entry,), lambda e, dest: dest.write_bytes(served or data))
+
+
+def test_fetch_verifies_and_installs(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, 1000)
+    path = fetch(cache, "v1", b"x" * 100)
+    assert (path / "adapter_model.safetensors").read_bytes() == b"x" * 100
+    assert cache.lookup("v1") == path and cache.used_bytes == 100
+
+
+def test_hash_mismatch_leaves_nothing_behind(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, 1000)
+    with pytest.raises(CacheError, match="does not match its hash"):
+        fetch(cache, "v1", b"x" * 100, served=b"y" * 100)
+    assert cache.lookup("v1") is None
+    assert list((tmp_path / "versions").iterdir()) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_lru_evicts_by_bytes_and_spares_in_use(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, 250)
+    for v in ("v1", "v2"):
+        fetch(cache, v, v.encode() * 50)  # 100 bytes each
+    cache.lookup("v1")  # v2 is now least recently used
+    with cache.in_use("v2"):
+        fetch(cache, "v3", b"3" * 100)  # v2 is busy: v1 goes instead
+    assert cache.cached() == {"v2", "v3"}
+    fetch(cache, "v4", b"4" * 100)
+    assert cache.cached() == {"v3", "v4"} and cache.used_bytes == 200
+    with pytest.raises(CacheError, match="exceeds the disk cache"):
+        fetch(cache, "huge", b"h" * 300)
+
+
+def test_rebuild_after_crash(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, 1000)
+    fetch(cache, "good", b"g" * 100)
+    fetch(cache, "damaged", b"d" * 100)
+    # A crash mid-download leaves a temp folder; a damaged folder has a short file.
+    (tmp_path / "tmp" / "partial").mkdir()
+    (tmp_path / "tmp" / "partial" / "adapter_model.safetensors").write_bytes(b"half")
+    (tmp_path / "versions" / "damaged" / "adapter_model.safetensors").write_bytes(b"d")
+    shutil.copytree(tmp_path / "versions" / "good", tmp_path / "versions" / "no-manifest")
+    (tmp_path / "versions" / "no-manifest" / "files.json").unlink()
+    again = make_cache(tmp_path, 1000)
+    assert again.cached() == {"good"} and again.used_bytes == 100
+    assert list((tmp_path / "tmp").iterdir()) == []

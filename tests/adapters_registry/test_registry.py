@@ -1,0 +1,177 @@
+"""The registry end to end below the HTTP layer: moto S3, real disk cache, a small fake engine.
+
+Two registries pointed at one bucket play two replicas; a registry rebuilt on the same cache
+folder plays a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import boto3
+import pytest
+from prometheus_client import CollectorRegistry
+from registry_builders import adapter_config, dense_tensors, write_adapter
+from registry_fake_engine import FakeEngine
+
+from loraplex.adapters_registry.admin import ManagedRegistry
+from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.lifecycle import build_registry
+from loraplex.adapters_registry.settings import RegistrySettings
+
+pytestmark = pytest.mark.anyio
+
+
+class Rig:
+    """A bucket with adapter sources under `src/` and a registry store under `registry/`."""
+
+    def __init__(self, tmp_path: Path, bucket: str, endpoint: str, dense_model: Path) -> None:
+        self.tmp, self.bucket, self.endpoint, self.model = tmp_path, bucket, endpoint, dense_model
+        self.s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+    def source(self, name: str, seed: int = 0, **config: object) -> str:
+        folder = write_adapter(
+            self.tmp / "src" / name, adapter_config(**config), dense_tensors(seed=seed)
+        )
+        for f in folder.iterdir():
+            self.s3.upload_file(str(f), self.bucket, f"src/{name}/{f.name}")
+        return f"s3://{self.bucket}/src/{name}/"
+
+    async def registry(
+        self, cache: str, engine: FakeEngine | None = None, endpoint: str | None = None
+    ) -> ManagedRegistry:
+        settings = RegistrySettings(
+            store=f"s3://{self.bucket}/registry", s3_endpoint_url=endpoint or self.endpoint,
+            s3_max_attempts=3, poll_interval_s=0.2,
+        )  # fmt: skip
+        return await build_registry(
+            settings, engine or FakeEngine(), model_dir=self.model, base_model_name="tiny",
+            max_lora_rank=16, max_loras=2, max_cpu_loras=3, cache_root=self.tmp / cache,
+            metrics_registry=CollectorRegistry(),
+        )  # fmt: skip
+
+
+@pytest.fixture
+def rig(tmp_path: Path, bucket: str, s3_endpoint: str, dense_model: Path) -> Rig:
+    return Rig(tmp_path, bucket, s3_endpoint, dense_model)
+
+
+def metric(reg: ManagedRegistry, name: str, **labels: str) -> float:
+    value = reg.metrics.collector_registry.get_sample_value(name, labels)
+    return float(value or 0.0)
+
+
+async def test_register_lease_and_tiers(rig: Rig) -> None:
+    engine = FakeEngine()
+    reg = await rig.registry("a", engine)
+    info = await reg.register("acme/bot", rig.source("bot"))
+    assert info.tier == "disk" and info.rank == 4 and info.base_model == "tiny"
+    async with reg.lease("acme/bot") as adapter:
+        assert adapter.engine_id == info.engine_id and adapter.version == info.version
+        assert (adapter.path / "adapter_model.safetensors").is_file()
+        assert reg.info("acme/bot").in_flight == 1
+    assert reg.info("acme/bot").tier == "cpu" and set(engine.loaded) == {info.engine_id}
+    pinned = await reg.set_pinned("acme/bot", True)
+    assert pinned.tier == "gpu" and engine.pinned == {info.engine_id}
+    with pytest.raises(AdapterNotFound):
+        async with reg.lease("acme/nope"):
+            pass
+    with pytest.raises(AdapterNotFound):  # malformed names look like unknown ones to clients
+        async with reg.lease("../etc"):
+            pass
+
+
+async def test_new_version_new_engine_id_rollback_and_at_version(rig: Rig) -> None:
+    reg = await rig.registry("a")
+    v1 = await reg.register("bot", rig.source("bot-v1", seed=1))
+    same = await reg.register("bot", rig.source("bot-v1", seed=1))
+    assert same.version == v1.version and same.engine_id == v1.engine_id
+    v2 = await reg.register("bot", rig.source("bot-v2", seed=2))
+    assert v2.version != v1.version and v2.engine_id != v1.engine_id
+    assert v2.previous_versions == [v1.version]
+    async with reg.lease(f"bot@{v1.version[:12]}") as old:
+        assert old.engine_id == v1.engine_id
+    back = await reg.rollback("bot")
+    assert back.version == v1.version and back.previous_versions == []
+    with pytest.raises(Exception, match="no earlier version"):
+        await reg.rollback("bot")
+
+
+async def test_fifty_cold_requests_one_download_one_load(rig: Rig) -> None:
+    a = await rig.registry("a")
+    await a.register("bot", rig.source("bot"))
+    engine = FakeEngine(load_delay_s=0.1)
+    b = await rig.registry("b", engine)  # a replica with an empty disk cache
+
+    async def request() -> int:
+        async with b.lease("bot") as adapter:
+            await asyncio.sleep(0.01)
+            return adapter.engine_id
+
+    ids = await asyncio.gather(*(request() for _ in range(50)))
+    assert len(set(ids)) == 1 and engine.add_calls == 1
+    assert metric(b, "loraplex_adapter_loads_total", tier="disk") == 1
+    assert metric(b, "loraplex_adapter_cache_misses_total", tier="cpu") == 50
+
+
+async def test_replicas_see_each_others_registrations_and_deletions(rig: Rig) -> None:
+    a_engine = FakeEngine()
+    a, b = await rig.registry("a", a_engine), await rig.registry("b")
+    await a.register("acme/one", rig.source("one"))
+    await b.refresh()
+    assert b.names() == ["acme/one"]
+    await b.register("acme/two", rig.source("two", seed=3))
+    async with a.lease("acme/one"):
+        pass
+    await b.delete("acme/one")
+    await a.refresh()
+    assert a.names() == ["acme/two"] and a_engine.loaded == {}
+    with pytest.raises(AdapterNotFound):
+        async with a.lease("acme/one"):
+            pass
+    ids = {a.info("acme/two").engine_id, b.info("acme/two").engine_id}
+    assert len(ids) == 1
+
+
+async def test_restart_keeps_registrations_without_downloading(rig: Rig) -> None:
+    reg = await rig.registry("a")
+    info = await reg.register("bot", rig.source("bot"))
+    again = await rig.registry("a")  # same cache folder, same store: a restart
+    async with again.lease("bot") as adapter:
+        assert adapter.engine_id == info.engine_id
+    assert metric(again, "loraplex_adapter_cache_hits_total", tier="disk") == 1
+    assert metric(again, "loraplex_adapter_loads_total", tier="disk") == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"rank": 64}, "rank"),
+        ({"targets": ["q_proj", "wrong_proj"]}, "target_modules"),
+        ({"use_dora": True}, "unsupported_feature"),
+    ],
+)
+async def test_bad_adapter_changes_nothing(rig: Rig, config: dict, reason: str) -> None:
+    reg = await rig.registry("a")
+    await reg.register("good", rig.source("good"))
+    before = (reg.store.list_keys(""), reg.cache.cached(), reg.catalog.last_seq)
+    with pytest.raises(AdapterInvalid) as err:
+        await reg.register("bad", rig.source("bad", seed=5, **config))
+    assert err.value.reason == reason
+    assert (reg.store.list_keys(""), reg.cache.cached(), reg.catalog.last_seq) == before
+    assert metric(reg, "loraplex_adapter_validation_failures_total", reason=reason) == 1
+    assert list((rig.tmp / "a" / "disk" / "tmp").iterdir()) == []
+
+
+async def test_pickle_only_and_missing_sources(rig: Rig) -> None:
+    reg = await rig.registry("a")
+    rig.s3.put_object(Bucket=rig.bucket, Key="src/pkl/adapter_config.json", Body=b"{}")
+    rig.s3.put_object(Bucket=rig.bucket, Key="src/pkl/adapter_model.bin", Body=b"\x80\x04")
+    with pytest.raises(AdapterInvalid, match="pickle"):
+        await reg.register("pkl", f"s3://{rig.bucket}/src/pkl/")
+    with pytest.raises(AdapterInvalid, match="no adapter_config.json"):
+        await reg.register("empty", f"s3://{rig.bucket}/src/nothing-here/")
+    with pytest.raises(AdapterInvalid, match="'..'"):
+        await reg.register("a/../b", rig.source("x"))
+    assert reg.names() == []
