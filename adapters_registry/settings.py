@@ -12,7 +12,7 @@ SafetensorsDtype = Literal["F16", "BF16", "F32"]
 
 class RegistrySettings(BaseModel):
     local_dir: Path | None = Field(
-        None,
+        default=None,
         description=(
             "Folder of adapters, one subfolder per adapter holding adapter_config.json and "
             "adapter_model.safetensors, registered at start; unset with the embedded model "
@@ -20,7 +20,7 @@ class RegistrySettings(BaseModel):
         ),
     )
     store: str | None = Field(
-        None,
+        default=None,
         description=(
             "Where the catalog and adapter weights live: `s3://bucket/prefix` or a local "
             "directory. Replicas pointing at the same store share one catalog. Unset: a local "
@@ -28,34 +28,40 @@ class RegistrySettings(BaseModel):
         ),
     )
     s3_endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO, moto, ...); unset uses AWS."
+        default=None, description="S3-compatible endpoint (MinIO, moto, ...); unset uses AWS."
     )
-    s3_region: str = Field("us-east-1", description="Region for request signing.")
+    s3_region: str = Field(default="us-east-1", description="Region for request signing.")
     s3_retry_mode: Literal["standard", "adaptive"] = Field(
-        "standard", description="botocore retry mode for 5xx, throttling and connection errors."
+        default="standard", description="botocore retry mode (5xx, throttling, connection errors)."
     )
-    s3_max_attempts: int = Field(5, ge=1, le=20, description="Attempts per S3 call, retries incl.")
-    s3_connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open a connection.")
-    s3_read_timeout_s: float = Field(30.0, gt=0, description="Seconds to wait on a socket read.")
+    s3_max_attempts: int = Field(
+        default=5, ge=1, le=20, description="Attempts per S3 call, retries included."
+    )
+    s3_connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Seconds to open a connection to S3."
+    )
+    s3_read_timeout_s: float = Field(
+        default=30.0, gt=0, description="Seconds to wait on one socket read from S3."
+    )
     transfer_max_concurrency: int = Field(
-        8, ge=1, le=64, description="Parallel ranged GETs / multipart parts per transfer."
+        default=8, ge=1, le=64, description="Parallel ranged GETs / multipart parts per transfer."
     )
     transfer_chunk_mib: int = Field(
-        16, ge=5, le=1024, description="Part size of ranged downloads and multipart uploads."
+        default=16, ge=5, le=1024, description="Part size of ranged downloads, multipart uploads."
     )
     poll_interval_s: float = Field(
-        2.0, gt=0, le=300, description="How often a replica reads catalog changes from the store."
+        default=2.0, gt=0, le=300, description="How often a replica reads the catalog's changes."
     )
     disk_cache_gib: float = Field(
-        20.0, gt=0, description="Bytes of adapter weights kept on local disk (LRU beyond that)."
+        default=20.0, gt=0, description="Adapter bytes kept on local disk (LRU beyond that), GiB."
     )
     max_adapter_mib: int = Field(
-        2048, ge=1, description="Largest adapter (config + weights) accepted at registration."
+        default=2048, ge=1, description="Largest adapter (config + weights) accepted, MiB."
     )
     allowed_dtypes: list[SafetensorsDtype] = Field(
         default_factory=lambda: list(get_args(SafetensorsDtype)),
         description="safetensors dtypes an adapter's tensors may have.",
     )
     delete_drain_s: float = Field(
-        60.0, ge=0, description="Seconds a deletion waits for in-flight requests to finish."
+        default=60.0, ge=0, description="Seconds a deletion waits for in-flight requests to end."
     )

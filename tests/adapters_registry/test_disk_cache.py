@@ -24,7 +24,11 @@ def make_cache(root: Path, capacity: int) -> DiskCache:
 
 def fetch(cache: DiskCache, version: str, data: bytes, served: bytes | None = None) -> Path:
     entry, _ = blob(data)
-    return cache.fetch(version, (entry,), lambda e, dest: dest.write_bytes(served or data))
+
+    def get(_: FileEntry, dest: Path) -> None:
+        dest.write_bytes(served or data)
+
+    return cache.fetch(version, (entry,), get)
 
 
 def test_fetch_verifies_and_installs(tmp_path: Path) -> None:

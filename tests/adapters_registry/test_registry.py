@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -30,7 +31,7 @@ class Rig:
         self.tmp, self.bucket, self.endpoint, self.model = tmp_path, bucket, endpoint, dense_model
         self.s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
 
-    def source(self, name: str, seed: int = 0, **config: object) -> str:
+    def source(self, name: str, seed: int = 0, **config: Any) -> str:
         folder = write_adapter(
             self.tmp / "src" / name, adapter_config(**config), dense_tensors(seed=seed)
         )
@@ -170,8 +171,8 @@ async def test_pickle_only_and_missing_sources(rig: Rig) -> None:
     rig.s3.put_object(Bucket=rig.bucket, Key="src/pkl/adapter_model.bin", Body=b"\x80\x04")
     with pytest.raises(AdapterInvalid, match="pickle"):
         await reg.register("pkl", f"s3://{rig.bucket}/src/pkl/")
-    with pytest.raises(AdapterInvalid, match="no adapter_config.json"):
+    with pytest.raises(AdapterInvalid, match=r"no adapter_config\.json"):
         await reg.register("empty", f"s3://{rig.bucket}/src/nothing-here/")
-    with pytest.raises(AdapterInvalid, match="'..'"):
+    with pytest.raises(AdapterInvalid, match=r"'\.\.'"):
         await reg.register("a/../b", rig.source("x"))
     assert reg.names() == []

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from registry_fake_engine import FakeEngine
 from registry_builders import write_adapter
+from registry_fake_engine import FakeEngine
 
 from loraplex.adapters_registry.base import AdapterConflict, ServableAdapter
 from loraplex.adapters_registry.metrics import RegistryMetrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,7 +113,7 @@ def test_disallowed_dtype(tmp_path: Path, dense: BaseModelSpec) -> None:
     ],
 )
 def test_refused_features_are_named(
-    tmp_path: Path, dense: BaseModelSpec, field: str, value: object, reason: str
+    tmp_path: Path, dense: BaseModelSpec, field: str, value: Any, reason: str
 ) -> None:
     folder = write_adapter(tmp_path / "a", adapter_config(**{field: value}))
     assert refused(folder, dense, reason).param == field
