@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission, Entry
@@ -58,7 +58,9 @@ class Admitted:
         record = self._record
         if record is not None:
             record.queued_s = queued_s
-        async with aclosing(engine.generate(prompt_token_ids, params, adapter, request_id)) as it:
+        stream = engine.generate(prompt_token_ids, params, adapter, request_id)
+        # The engine's generator aborts its request when closed: close it when we are closed.
+        async with aclosing(cast("AsyncGenerator[RequestOutput, None]", stream)) as it:
             async for output in it:
                 if record is not None:
                     record.on_tokens(

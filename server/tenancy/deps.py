@@ -1,0 +1,45 @@
+"""FastAPI dependencies: `TenantDep` for /v1 routes, `AdminDep` for /admin/v1 routes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from loraplex.server.access_log import record_of
+from loraplex.server.errors import EngineUnavailable
+from loraplex.server.tenancy.errors import Unauthorized
+from loraplex.server.tenancy.model import Tenant
+from loraplex.server.tenancy.service import Tenancy
+
+
+def bearer_of(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def get_tenancy(request: Request) -> Tenancy:
+    tenancy: Tenancy | None = getattr(request.app.state, "tenancy", None)
+    if tenancy is None:
+        raise EngineUnavailable(
+            "The server is starting; retry shortly.", headers={"Retry-After": "5"}
+        )
+    return tenancy
+
+
+TenancyDep = Annotated[Tenancy, Depends(get_tenancy)]
+
+
+def current_tenant(request: Request, tenancy: TenancyDep) -> Tenant:
+    """The calling tenant (401 for no key, a wrong key, or the admin token)."""
+    return tenancy.authenticate(bearer_of(request), record_of(request))
+
+
+def require_admin(request: Request, tenancy: TenancyDep) -> None:
+    """Only the admin token passes (401 otherwise: tenant keys included)."""
+    if not tenancy.directory.is_admin(bearer_of(request)):
+        raise Unauthorized("The admin API needs the admin token (http.admin_token).")
+
+
+TenantDep = Annotated[Tenant, Depends(current_tenant)]
+AdminDep = Annotated[None, Depends(require_admin)]
