@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir)
     engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
     http: HttpSettings = Field(default_factory=HttpSettings)  # type: ignore[arg-type]
-    registry: RegistrySettings = Field(default_factory=RegistrySettings)  # type: ignore[arg-type]
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
 
     @classmethod
     def settings_customise_sources(
