@@ -1,0 +1,107 @@
+"""Admin REST for adapters under /admin/v1/adapters, behind the admin token.
+
+    POST   /admin/v1/adapters                    register {name, source, warm?, pinned?} -> 201
+    GET    /admin/v1/adapters                    list
+    GET    /admin/v1/adapters/{name}             get (names may hold one '/': tenant/adapter)
+    DELETE /admin/v1/adapters/{name}             unregister (in-flight requests finish first)
+    POST   /admin/v1/adapters/{name}/pin         keep in a GPU slot (also /unpin)
+    POST   /admin/v1/adapters/{name}/evict       {tier: cpu|disk} drop from that tier and above
+    POST   /admin/v1/adapters/{name}/rollback    {version?} back to the previous (or a given) one
+
+Registry errors (`AdapterError`) become the OpenAI error envelope in the app's one handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+
+from loraplex.adapters_registry.admin import AdapterInfo, EvictTier, ManagedRegistry
+from loraplex.server.errors import EngineUnavailable, NotFound, Unauthenticated
+from loraplex.server.tenancy.keys import same_secret
+
+
+def _registry(request: Request) -> ManagedRegistry:
+    settings = request.app.state.settings
+    token = settings.http.admin_token
+    if token is None:
+        raise NotFound("The admin API is disabled: set http.admin_token to enable it.")
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not same_secret(bearer.strip(), token.get_secret_value()):
+        raise Unauthenticated("The admin API needs `Authorization: Bearer <admin token>`.")
+    registry: ManagedRegistry | None = getattr(request.app.state, "adapter_registry", None)
+    if registry is None:
+        raise EngineUnavailable(
+            "The server is starting; retry shortly.", headers={"Retry-After": "5"}
+        )
+    return registry
+
+
+RegistryDep = Annotated[ManagedRegistry, Depends(_registry)]
+router = APIRouter(prefix="/admin/v1/adapters", tags=["admin"])
+
+
+class RegisterRequest(BaseModel):
+    name: str = Field(description="Adapter name, `adapter` or `tenant/adapter`.")
+    source: str = Field(description="s3://bucket/prefix/ or a local directory (PEFT files).")
+    warm: bool = Field(default=False, description="Load it into the engine's CPU cache now.")
+    pinned: bool = Field(default=False, description="Keep it in a GPU slot.")
+
+
+class EvictRequest(BaseModel):
+    tier: EvictTier = Field(description="cpu: drop from the engine; disk: also from local disk.")
+
+
+class RollbackRequest(BaseModel):
+    version: str | None = Field(default=None, description="Version (or prefix); default previous.")
+
+
+def _out(info: AdapterInfo) -> dict[str, Any]:
+    return {"object": "adapter", **asdict(info)}
+
+
+@router.post("", status_code=201)
+async def register(body: RegisterRequest, registry: RegistryDep) -> dict[str, Any]:
+    info = await registry.register(body.name, body.source, warm=body.warm, pinned=body.pinned)
+    return _out(info)
+
+
+@router.get("")
+async def list_adapters(registry: RegistryDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_out(i) for i in registry.list()]}
+
+
+@router.post("/{name:path}/pin")
+async def pin(name: str, registry: RegistryDep) -> dict[str, Any]:
+    return _out(await registry.set_pinned(name, True))
+
+
+@router.post("/{name:path}/unpin")
+async def unpin(name: str, registry: RegistryDep) -> dict[str, Any]:
+    return _out(await registry.set_pinned(name, False))
+
+
+@router.post("/{name:path}/evict")
+async def evict(name: str, body: EvictRequest, registry: RegistryDep) -> dict[str, Any]:
+    return _out(await registry.evict(name, body.tier))
+
+
+@router.post("/{name:path}/rollback")
+async def rollback(
+    name: str, registry: RegistryDep, body: RollbackRequest | None = None
+) -> dict[str, Any]:
+    return _out(await registry.rollback(name, body.version if body else None))
+
+
+@router.get("/{name:path}")
+async def get_adapter(name: str, registry: RegistryDep) -> dict[str, Any]:
+    return _out(registry.info(name))
+
+
+@router.delete("/{name:path}")
+async def delete(name: str, registry: RegistryDep) -> dict[str, Any]:
+    await registry.delete(name)
+    return {"object": "adapter.deleted", "name": name, "deleted": True}
