@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from loraplex.server.access_log import record_of
-from loraplex.server.errors import EngineUnavailable
+from loraplex.server.errors import EngineUnavailable, NotFound
 from loraplex.server.tenancy.errors import Unauthorized
 from loraplex.server.tenancy.model import Tenant
 from loraplex.server.tenancy.service import Tenancy
@@ -36,7 +36,9 @@ def current_tenant(request: Request, tenancy: TenancyDep) -> Tenant:
 
 
 def require_admin(request: Request, tenancy: TenancyDep) -> None:
-    """Only the admin token passes (401 otherwise: tenant keys included)."""
+    """Only the admin token passes (401 otherwise: tenant keys included); unset: 404."""
+    if not tenancy.directory.admin_enabled:
+        raise NotFound("The admin API is disabled: set http.admin_token to enable it.")
     if not tenancy.directory.is_admin(bearer_of(request)):
         raise Unauthorized("The admin API needs the admin token (http.admin_token).")
 

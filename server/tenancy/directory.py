@@ -92,6 +92,10 @@ class TenantDirectory:
         self._stored = stored
         self._reindex()
 
+    @property
+    def admin_enabled(self) -> bool:
+        return self._admin_token is not None
+
     def is_admin(self, bearer: str | None) -> bool:
         return bool(bearer and self._admin_token and same_secret(bearer, self._admin_token))
 
