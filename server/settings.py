@@ -21,6 +21,7 @@ from pydantic_settings import (
 )
 
 from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.server.tenancy.settings import TenancySettings
 
 CONFIG_FILE_ENV = "LORAPLEX_CONFIG_FILE"
 
@@ -96,6 +97,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
     http: HttpSettings = Field(default_factory=HttpSettings)  # type: ignore[arg-type]
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    tenancy: TenancySettings = Field(default_factory=TenancySettings)
 
     @classmethod
     def settings_customise_sources(
