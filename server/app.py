@@ -26,8 +26,9 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         served = choose_served_model(settings)
         adapters = LocalFolderSource(served.adapters_dir)
-        log.info("serving %s from %s with adapters %s", served.name, served.model_dir,
-                 adapters.names())
+        log.info(
+            "serving %s from %s with adapters %s", served.name, served.model_dir, adapters.names()
+        )
         engine = await EngineClient.start(settings.engine, served.model_dir, served.name)
         try:
             app.state.gateway = Gateway(

@@ -13,8 +13,9 @@ from loraplex.server.settings import ConfigError, load_settings
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags become settings overrides; unset flags leave env/config-file values alone."""
-    engine = {k: v for k, v in {"model": args.model, "max_loras": args.max_loras}.items()
-              if v is not None}
+    engine = {
+        k: v for k, v in {"model": args.model, "max_loras": args.max_loras}.items() if v is not None
+    }
     http = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     registry = {"local_dir": args.adapters_dir} if args.adapters_dir else {}
     overrides: dict[str, Any] = {}

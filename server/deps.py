@@ -13,7 +13,9 @@ from loraplex.server.generation import Gateway
 def get_gateway(request: Request) -> Gateway:
     gateway: Gateway | None = getattr(request.app.state, "gateway", None)
     if gateway is None:
-        raise EngineUnavailable("The server is starting; retry shortly.", headers={"Retry-After": "5"})
+        raise EngineUnavailable(
+            "The server is starting; retry shortly.", headers={"Retry-After": "5"}
+        )
     return gateway
 
 

@@ -28,9 +28,8 @@ def choose_served_model(settings: Settings) -> ServedModel:
         )
         return ServedModel(model_dir, engine.served_model_name or DEMO_MODEL_NAME, adapters_dir)
     if not (engine.model / "config.json").is_file():
-        raise ConfigError(f"engine.model: {engine.model} is not a Hugging Face model directory "
-                          "(no config.json)")
+        raise ConfigError(
+            f"engine.model: {engine.model} is not a Hugging Face model directory (no config.json)"
+        )
     name = engine.served_model_name or engine.model.resolve().name
     return ServedModel(engine.model, name, settings.registry.local_dir)
-
-

@@ -15,7 +15,9 @@ def chat_prompt_ids(tokenizer: Any, request: ChatCompletionRequest) -> list[int]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja errors from a template that rejects a role order, etc.
-        raise InvalidRequest(f"`messages`: the chat template rejected them: {e}", param="messages") from e
+        raise InvalidRequest(
+            f"`messages`: the chat template rejected them: {e}", param="messages"
+        ) from e
     # The template already wrote the special tokens (BOS etc.); do not add them twice.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

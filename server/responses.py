@@ -17,7 +17,11 @@ def _token_entry(tokenizer: Any, token_id: int, logprob: Any) -> dict[str, Any]:
     text = logprob.decoded_token
     if text is None:
         text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": max(float(logprob.logprob), -9999.0), "bytes": list(text.encode())}
+    return {
+        "token": text,
+        "logprob": max(float(logprob.logprob), -9999.0),
+        "bytes": list(text.encode()),
+    }
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Any, top: int) -> list[dict]:
@@ -35,7 +39,12 @@ def text_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: Any, top: int, offset: int
 ) -> dict[str, list]:
     """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for token_id, position in zip(token_ids, logprobs, strict=False):
         entry = _token_entry(tokenizer, token_id, position[token_id])
         out["tokens"].append(entry["token"])
