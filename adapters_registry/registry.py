@@ -32,7 +32,12 @@ from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.names import parse_ref
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.single_flight import SingleFlight
-from loraplex.adapters_registry.store import ObjectExists, ObjectStore, StoreError
+from loraplex.adapters_registry.store import (
+    ContentMismatch,
+    ObjectExists,
+    ObjectStore,
+    StoreError,
+)
 from loraplex.adapters_registry.tiers import EngineTier, EngineTiers
 
 log = logging.getLogger(__name__)
@@ -133,7 +138,8 @@ class AdapterRegistry:
                 break
             except (StoreError, CacheError) as e:
                 self.metrics.load_failures.labels("disk").inc()
-                if isinstance(e, StoreError) or attempt == _FETCH_ATTEMPTS - 1:
+                retryable = isinstance(e, CacheError | ContentMismatch)
+                if not retryable or attempt == _FETCH_ATTEMPTS - 1:
                     raise AdapterUnavailable(
                         f"adapter `{record.name}` is unavailable: fetching it from "
                         f"{self.store.uri} failed: {e}",

@@ -15,11 +15,12 @@ from typing import Any
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
 from s3transfer.exceptions import RetriesExceededError, S3UploadFailedError
 
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import (
+    ContentMismatch,
     ObjectExists,
     ObjectMissing,
     Progress,
@@ -58,6 +59,8 @@ def make_transfer_config(settings: RegistrySettings) -> TransferConfig:
 
 
 def _translate(e: Exception, key: str) -> StoreError:
+    if isinstance(e, FlexibleChecksumError):
+        return ContentMismatch(f"{key} does not match its hash (S3 checksum): {e}")
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))

@@ -43,7 +43,12 @@ def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
     oversized adapters before any weight byte moves. Raises AdapterInvalid/AdapterUnavailable."""
     store = open_source(source, settings)
     try:
-        top_level = [k for k in store.list_keys("") if "/" not in k]
+        try:
+            top_level = [k for k in store.list_keys("") if "/" not in k]
+        except ObjectMissing as e:
+            raise AdapterInvalid(
+                f"source {source} does not exist (no such bucket)", param="source", reason="source"
+            ) from e
         sizes = {k: store.size(k) if k in ADAPTER_FILES else 0 for k in top_level}
         check_listing(sizes, settings.max_adapter_mib * 1024 * 1024)
         for name in ADAPTER_FILES:

@@ -33,6 +33,10 @@ class StoreUnavailable(StoreError):
     """The store failed after retries (5xx, throttling, timeouts, resets)."""
 
 
+class ContentMismatch(StoreError):
+    """The bytes received do not match the object's checksum; fetching again may succeed."""
+
+
 class ObjectStore(Protocol):
     """A flat key -> bytes store with exclusive creation. Safe to use from many threads."""
 

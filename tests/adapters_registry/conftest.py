@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -12,6 +13,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 from registry_builders import write_base_model
+from registry_rig import Rig
 from s3_fault_proxy import FaultProxy
 
 
@@ -29,6 +31,7 @@ def s3_endpoint() -> Iterator[str]:
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():  # fmt: skip
         os.environ.setdefault(key, value)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -69,3 +72,8 @@ def per_expert_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def rig(tmp_path: Path, bucket: str, s3_endpoint: str, dense_model: Path) -> Rig:
+    return Rig(tmp_path, bucket, s3_endpoint, dense_model)
