@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loraplex.server import adapters_cli
 from loraplex.server.settings import ConfigError, load_settings
 
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="bind port (default 8000)")
     p.add_argument("--max-loras", type=int, help="adapters per batch")
     p.set_defaults(handler=serve)
+    adapters_cli.add_parser(commands)
     return parser
 
 
