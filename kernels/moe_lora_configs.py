@@ -1,0 +1,114 @@
+"""Launch configs of the MoE-LoRA kernels: tuned JSON per GPU name and shape, with a fallback.
+
+Files live in `kernels/configs/moe_lora_<gpu slug>.json` and are written by
+`python -m loraplex.kernels.tune_moe_lora`. Layout:
+
+    {"gpu": "NVIDIA H100 80GB HBM3",
+     "shapes": {"<shape key>": {"<num pairs>": {"variant": "split", "block_k": 128, ...}}}}
+
+A lookup takes the entry of the nearest tuned pair count (in log scale) for the shape; an unknown
+GPU or shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEMMs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+Variant = Literal["split", "fused"]
+
+
+@dataclass(frozen=True)
+class MoeLoraConfig:
+    """How to launch one call. split: shrink over SPLIT_K K ranges, then expand; fused: one kernel
+    with the intermediate on chip, each program covering 1/npid of N."""
+
+    variant: Variant
+    block_k: int
+    block_n: int
+    split_k: int = 1
+    npid: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What a config depends on besides the batch: the weights' shape and the routing form."""
+
+    k: int
+    n: int
+    slices: int
+    rank: int
+    experts: int
+    top_k: int
+    sorted_form: bool
+    dtype: str
+
+    def text(self) -> str:
+        form = "sorted" if self.sorted_form else "naive"
+        return (
+            f"K={self.k},N={self.n},S={self.slices},R={self.rank},E={self.experts},"
+            f"topk={self.top_k},{form},{self.dtype}"
+        )
+
+
+def gpu_slug(gpu_name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in gpu_name).strip("_").lower()
+
+
+@lru_cache(maxsize=16)
+def _load(gpu_name: str) -> dict[str, dict[int, MoeLoraConfig]]:
+    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        shape: {int(pairs): MoeLoraConfig(**cfg) for pairs, cfg in by_pairs.items()}
+        for shape, by_pairs in raw["shapes"].items()
+    }
+
+
+def fallback_config(key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConfig:
+    """Split K while pairs x slices leave most SMs idle (decode), else one fused launch."""
+    block_k = 128 if key.k >= 256 else 64
+    programs = max(num_pairs * key.slices, 1)
+    if programs >= 2 * sm_count or (key.sorted_form and num_pairs >= 1024):
+        return MoeLoraConfig("fused", block_k=block_k, block_n=128)
+    max_split = max(1, key.k // (2 * block_k))
+    split = 1
+    while split < max_split and programs * split < 4 * sm_count:
+        split *= 2
+    return MoeLoraConfig("split", block_k=block_k, block_n=64, split_k=split)
+
+
+def lookup(gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConfig:
+    """The tuned config nearest to num_pairs for this GPU and shape, else the fallback."""
+    tuned = _load(gpu_name).get(key.text())
+    if not tuned:
+        return fallback_config(key, num_pairs, sm_count)
+    target = math.log(max(num_pairs, 1))
+    nearest = min(tuned, key=lambda p: abs(math.log(p) - target))
+    return tuned[nearest]
+
+
+def write_configs(gpu_name: str, shapes: dict[str, dict[int, MoeLoraConfig]]) -> Path:
+    """Merge tuned entries into this GPU's file (existing shapes not re-tuned are kept)."""
+    CONFIG_DIR.mkdir(parents=True, exist_ok=True)
+    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
+    merged: dict[str, dict[str, dict[str, object]]] = {}
+    if path.is_file():
+        merged = json.loads(path.read_text())["shapes"]
+    for shape, by_pairs in shapes.items():
+        merged[shape] = {str(p): cfg.to_json() for p, cfg in sorted(by_pairs.items())}
+    path.write_text(json.dumps({"gpu": gpu_name, "shapes": merged}, indent=1) + "\n")
+    _load.cache_clear()
+    return path

@@ -1,0 +1,194 @@
+"""The fused MoE-LoRA op: checks shapes, allocates, picks a config and launches the Triton kernels.
+
+`fused_moe_lora` has vLLM 0.26's signature and semantics (see `moe_lora_reference` for the spec
+and every tensor's shape), so the vLLM plugin can swap it in. vLLM's shrink/expand tuning
+arguments are accepted and ignored, except `shrink_block_size_m`: in the sorted routing form the
+pairs were padded to blocks of that size, so the kernels use it as BLOCK_M.
+
+No host syncs: the only host read is `num_active_loras`, a CPU tensor by vLLM's contract, so the
+op can be captured in CUDA graphs; grids depend on shapes only.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+
+from . import moe_lora_triton as kt
+from .moe_lora_configs import MoeLoraConfig, ShapeKey, lookup
+
+NAIVE_BLOCK_M = 16  # tl.dot needs >= 16 rows; the naive form uses row 0 of each tile.
+
+
+class UnsupportedMoeLoraCall(ValueError):
+    """A call this op does not cover (the plugin hands such calls to vLLM's own op)."""
+
+
+@lru_cache(maxsize=8)
+def _device_facts(index: int) -> tuple[str, int, bool]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count, props.major >= 9
+
+
+def _device_info(device: torch.device) -> tuple[str, int, bool]:
+    """(GPU name, SM count, supports PDL); the interpreter on a CPU gets a neutral stand-in."""
+    if device.type != "cuda":
+        return "cpu", 4, False
+    return _device_facts(device.index if device.index is not None else 0)
+
+
+def _check(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    top_k: int,
+    mul_routed_weight: bool,
+    offset: int,
+) -> None:
+    slices = len(lora_a)
+    if slices not in (1, 2) or len(lora_b) != slices:
+        raise UnsupportedMoeLoraCall(f"slices must be 1 or 2 with as many B as A, got {slices}")
+    if output.dim() != 3 or output.shape[1] != top_k or topk_weights.shape != output.shape[:2]:
+        raise ValueError(
+            f"output {tuple(output.shape)} must be (tokens, top_k={top_k}, cols) matching "
+            f"topk_weights {tuple(topk_weights.shape)}"
+        )
+    if output.stride(0) != output.shape[1] * output.stride(1):
+        raise ValueError(f"output strides {output.stride()} must flatten (tokens, top_k)")
+    a0, b0 = lora_a[0], lora_b[0]
+    if a0.dim() != 4 or b0.dim() != 4 or a0.shape[2] != b0.shape[3]:
+        raise ValueError(f"A {tuple(a0.shape)} / B {tuple(b0.shape)} must be (L,E,R,K) / (L,E,N,R)")
+    if any(t.shape != a0.shape or t.stride() != a0.stride() for t in lora_a) or any(
+        t.shape != b0.shape or t.stride() != b0.stride() for t in lora_b
+    ):
+        raise UnsupportedMoeLoraCall("all slices must share one shape and stride")
+    rows = output.shape[0] * top_k if mul_routed_weight else output.shape[0]
+    if x.shape != (rows, a0.shape[3]):
+        raise ValueError(f"x {tuple(x.shape)} must be ({rows}, K={a0.shape[3]})")
+    if offset + slices * b0.shape[2] > output.shape[2]:
+        raise ValueError(
+            f"offset ({offset}) + slices x N ({slices} x {b0.shape[2]}) exceeds output width "
+            f"({output.shape[2]})"
+        )
+    if a0.shape[2] > 128:
+        raise UnsupportedMoeLoraCall(f"rank {a0.shape[2]} > 128 does not fit on chip")
+
+
+def fused_moe_lora(
+    output: torch.Tensor,
+    qcurr_hidden_states: torch.Tensor,
+    lora_a_stacked: list[torch.Tensor],
+    lora_b_stacked: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    sorted_token_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor | None,
+    token_lora_mapping: torch.Tensor,
+    max_lora_rank: int,
+    top_k_num: int,
+    lora_ids: torch.Tensor,
+    num_active_loras: torch.Tensor,
+    adapter_enabled: torch.Tensor,
+    shrink_block_size_m: int = 64,
+    shrink_block_size_n: int = 64,
+    shrink_block_size_k: int = 32,
+    shrink_group_size_m: int = 8,
+    shrink_num_warps: int = 4,
+    shrink_num_stages: int = 3,
+    shrink_split_k: int = 1,
+    expand_block_size_m: int = 64,
+    expand_block_size_n: int = 64,
+    expand_block_size_k: int = 32,
+    expand_group_size_m: int = 8,
+    expand_num_warps: int = 4,
+    expand_num_stages: int = 3,
+    expand_split_k: int = 1,
+    mul_routed_weight: bool = False,
+    fully_sharded: bool = False,
+    offset: int = 0,
+    add_inputs: bool = True,
+    config: MoeLoraConfig | None = None,
+) -> None:
+    """output[pairs, offset + s*N ...] (+)= (x @ A[s].T) @ B[s].T per the reference's spec.
+
+    `config` overrides the tuned lookup (the tuner uses it). Raises UnsupportedMoeLoraCall for
+    fully_sharded (it needs a collective between shrink and expand), > 2 slices or rank > 128.
+    """
+    if fully_sharded:
+        raise UnsupportedMoeLoraCall("fully_sharded needs a collective between shrink and expand")
+    x, lora_a, lora_b = qcurr_hidden_states, list(lora_a_stacked), list(lora_b_stacked)
+    _check(output, x, lora_a, lora_b, topk_weights, top_k_num, mul_routed_weight, offset)
+    del max_lora_rank  # the rank is read off the weights
+    a0, b0 = lora_a[0], lora_b[0]
+    num_slots, num_experts, rank, k = a0.shape
+    n = b0.shape[2]
+    num_pairs = topk_weights.numel()
+    sorted_form = sorted_token_ids is not None
+    if sorted_form:
+        assert sorted_token_ids is not None and num_tokens_post_padded is not None
+        block_m = shrink_block_size_m
+        if block_m < 16 or block_m & (block_m - 1):
+            raise ValueError(f"shrink_block_size_m must be a power of 2 >= 16, got {block_m}")
+        num_m_blocks = expert_ids.shape[1]
+        em = sorted_token_ids.shape[1]
+        lora_dim = min(int(num_active_loras.reshape(-1)[0]), lora_ids.numel())
+        num_units = lora_dim * num_m_blocks
+        stride_sl, stride_el = sorted_token_ids.stride(0), expert_ids.stride(0)
+        sorted_arg, ntpp_arg = sorted_token_ids, num_tokens_post_padded
+    else:
+        block_m, num_m_blocks, em, num_units = NAIVE_BLOCK_M, num_pairs, num_pairs, num_pairs
+        stride_sl = stride_el = 0
+        # Never dereferenced in the naive form; any int32 tensor stands in for the pointers.
+        sorted_arg = ntpp_arg = expert_ids
+    if num_units == 0 or n == 0:
+        return
+    gpu, sm_count, pdl_ok = _device_info(x.device)
+    if config is None:
+        key = ShapeKey(k, n, len(lora_a), rank, num_experts, top_k_num, sorted_form, str(x.dtype))
+        config = lookup(gpu, key, num_pairs, sm_count)
+    block_r = max(16, triton.next_power_of_2(rank))
+    out2d = output.view(num_pairs, output.shape[2])
+    a1 = lora_a[-1]
+    b1 = lora_b[-1]
+    routing = (sorted_arg, expert_ids, ntpp_arg, token_lora_mapping, lora_ids, adapter_enabled)
+    lengths = (num_pairs, top_k_num, num_m_blocks, em, num_units, num_slots)
+    token_factor = 1 if mul_routed_weight else top_k_num
+    if config.variant == "fused":
+        grid = (num_units * config.npid, len(lora_a))
+        kt.fused_kernel[grid](
+            x, a0, a1, b0, b1, out2d, topk_weights, *routing, k, n, *lengths, offset,
+            x.stride(0), x.stride(1), *a0.stride(), *b0.stride(), *out2d.stride(),
+            stride_sl, stride_el,
+            TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, BLOCK_R=block_r,
+            RANK=rank, BLOCK_K=config.block_k, BLOCK_N=config.block_n, NPID=config.npid,
+            EVEN_K=k % config.block_k == 0, MUL_ROUTED_WEIGHT=mul_routed_weight,
+            ADD_INPUTS=add_inputs, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        return
+    ws_rows = block_m if sorted_form else 1
+    split = config.split_k
+    ws = torch.empty(
+        (len(lora_a), num_units, split, ws_rows, block_r), dtype=torch.float32, device=x.device
+    )
+    use_pdl = pdl_ok
+    kt.shrink_kernel[(num_units, len(lora_a), split)](
+        x, a0, a1, ws, *routing, k, *lengths,
+        x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
+        TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, BLOCK_R=block_r,
+        RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
+        EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
+    kt.expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](
+        ws, b0, b1, out2d, topk_weights, *routing, n, *lengths, offset,
+        *b0.stride(), *out2d.stride(), stride_sl, stride_el,
+        SORTED=sorted_form, BLOCK_M=block_m, BLOCK_R=block_r, RANK=rank,
+        BLOCK_N=config.block_n, SPLIT_K=split, WS_ROWS=ws_rows,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
+        num_warps=4, num_stages=2, **pdl_kwargs,
+    )  # fmt: skip

@@ -1,0 +1,370 @@
+"""Triton bodies of the fused MoE-LoRA op (spec: `moe_lora_reference`; launcher: `moe_lora_op`).
+
+A *unit* is the work one program row owns: in the naive routing form one (token, expert) pair,
+in the sorted form one block of BLOCK_M pairs of one (adapter slot, expert). Every kernel first
+resolves its unit and leaves at once when the unit carries no adapter, no expert or only padding,
+so slots and blocks that are absent cost one load, never a weight read.
+
+Two shapes of work are kept, chosen per shape and batch by the tuned configs:
+
+- split: `shrink_kernel` (grid units x slices x SPLIT_K) writes fp32 partial products x @ A.T of
+  one K range each to a workspace (no atomics, no zeroing: every read cell is written), then
+  `expand_kernel` (grid units x N tiles x slices) sums the partials, multiplies by B and adds into
+  the output. Many small programs keep enough loads in flight at decode batch sizes, where one
+  program per pair would stream all of A alone. With Programmatic Dependent Launch the expand
+  grid starts early, loads its B tile and waits for the shrink only before reading partials.
+- fused: `fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate on chip
+  and walks its N range, for batches that already fill the GPU.
+
+Lengths that change with the batch are `do_not_specialize`, so a new batch size compiles nothing.
+"""
+
+import triton
+import triton.language as tl
+
+_BATCH_ARGS = ["num_pairs", "num_m_blocks", "em", "num_units", "stride_sl", "stride_el"]
+
+
+@triton.jit
+def _resolve_unit(
+    unit,
+    sorted_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    tlm_ptr,
+    lora_ids_ptr,
+    enabled_ptr,
+    num_pairs,
+    top_k,
+    num_m_blocks,
+    em,
+    max_loras,
+    stride_sl,
+    stride_el,
+    SORTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """(slot, expert, flat pair ids (BLOCK_M,), valid 0/1) of a unit; ids >= num_pairs pad."""
+    offs = tl.arange(0, BLOCK_M)
+    if SORTED:
+        blk = unit % num_m_blocks
+        slot = tl.load(lora_ids_ptr + unit // num_m_blocks)
+    else:
+        blk = unit
+        slot = tl.load(tlm_ptr + unit // top_k)
+    valid = (slot >= 0) & (slot < max_loras)
+    slot = tl.where(valid, slot, 0)
+    valid = valid & (tl.load(enabled_ptr + slot) != 0)
+    if SORTED:
+        valid = valid & (blk * BLOCK_M < tl.load(ntpp_ptr + slot))
+        expert = tl.load(expert_ids_ptr + slot * stride_el + blk)
+        pos = blk * BLOCK_M + offs
+        tokens = tl.load(sorted_ptr + slot * stride_sl + pos, mask=pos < em, other=num_pairs)
+    else:
+        expert = tl.load(expert_ids_ptr + unit)
+        tokens = tl.where(offs == 0, unit, num_pairs)
+    valid = valid & (expert >= 0)
+    return slot, tl.where(valid, expert, 0), tokens, valid.to(tl.int32)
+
+
+@triton.jit
+def _slice_base(ptr0, ptr1, s, slot, expert, stride_l, stride_e):
+    base = ptr0
+    if s == 1:
+        base = ptr1
+    return base + slot.to(tl.int64) * stride_l + expert.to(tl.int64) * stride_e
+
+
+@triton.jit
+def _shrink(
+    x_ptr,
+    a_base,
+    rows,
+    tmask,
+    k_lo,
+    k_hi,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_ar,
+    stride_ak,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """acc (BLOCK_M, BLOCK_R) fp32 = x[rows, k_lo:k_hi] @ A[:, k_lo:k_hi].T."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < RANK
+    safe_r = tl.where(rmask, offs_r, 0)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_base + offs_k[:, None] * stride_ak + safe_r[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=rmask[None, :], other=0.0)
+        else:
+            kmask = (k + tl.arange(0, BLOCK_K)) < K
+            x = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
+        acc += tl.dot(x, a)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    return acc
+
+
+@triton.jit
+def _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R: tl.constexpr, RANK: tl.constexpr):
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < RANK
+    safe_r = tl.where(rmask, offs_r, 0)
+    ptrs = b_base + safe_r[:, None] * stride_br + offs_n[None, :] * stride_bn
+    return tl.load(ptrs, mask=rmask[:, None] & (offs_n < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _add_into_output(
+    acc,
+    tokens,
+    tmask,
+    offs_n,
+    n_hi,
+    col0,
+    out_ptr,
+    topk_w_ptr,
+    stride_om,
+    stride_on,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ADD_INPUTS: tl.constexpr,
+):
+    """output[tokens, col0 + offs_n] (+)= acc (* routing weight); acc is (BLOCK_M, BLOCK_N) fp32."""
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_w_ptr + tokens, mask=tmask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + (col0 + offs_n)[None, :] * stride_on
+    mask = tmask[:, None] & (offs_n < n_hi)[None, :]
+    if ADD_INPUTS:
+        prev = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + prev
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_BATCH_ARGS)
+def shrink_kernel(
+    x_ptr,
+    a0_ptr,
+    a1_ptr,
+    ws_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    tlm_ptr,
+    lora_ids_ptr,
+    enabled_ptr,
+    K,
+    num_pairs,
+    top_k,
+    num_m_blocks,
+    em,
+    num_units,
+    max_loras,
+    stride_xm,
+    stride_xk,
+    stride_al,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_sl,
+    stride_el,
+    TOKEN_FACTOR: tl.constexpr,
+    SORTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    WS_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """ws[s, unit, ks, :WS_ROWS, :] = x[rows, K range ks] @ A[s][slot, expert][:, K range ks].T."""
+    unit = tl.program_id(0)
+    s = tl.program_id(1)
+    ks = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot, expert, tokens, valid = _resolve_unit(
+        unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
+        num_pairs, top_k, num_m_blocks, em, max_loras, stride_sl, stride_el, SORTED, BLOCK_M,
+    )  # fmt: skip
+    if valid == 0:
+        return
+    a_base = _slice_base(a0_ptr, a1_ptr, s, slot, expert, stride_al, stride_ae)
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = ks * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    tmask = tokens < num_pairs
+    acc = _shrink(
+        x_ptr, a_base, tokens // TOKEN_FACTOR, tmask, k_lo, k_hi, K,
+        stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K,
+    )  # fmt: skip
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    cell = ((s * num_units + unit).to(tl.int64) * SPLIT_K + ks) * (WS_ROWS * BLOCK_R)
+    ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
+    tl.store(ptrs, acc, mask=(offs_m < WS_ROWS)[:, None])
+
+
+@triton.jit(do_not_specialize=_BATCH_ARGS)
+def expand_kernel(
+    ws_ptr,
+    b0_ptr,
+    b1_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    tlm_ptr,
+    lora_ids_ptr,
+    enabled_ptr,
+    N,
+    num_pairs,
+    top_k,
+    num_m_blocks,
+    em,
+    num_units,
+    max_loras,
+    col_offset,
+    stride_bl,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    stride_sl,
+    stride_el,
+    SORTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    WS_ROWS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ADD_INPUTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """output[tokens, s, n tile] (+)= (sum_ks ws[s, unit, ks]) @ B[s][slot, expert][n tile].T."""
+    unit = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    slot, expert, tokens, valid = _resolve_unit(
+        unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
+        num_pairs, top_k, num_m_blocks, em, max_loras, stride_sl, stride_el, SORTED, BLOCK_M,
+    )  # fmt: skip
+    if valid == 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
+    b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    cell = (s * num_units + unit).to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
+    ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
+    rows_mask = (offs_m < WS_ROWS)[:, None]
+    tmp = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for _ks in tl.static_range(SPLIT_K):
+        tmp += tl.load(ptrs, mask=rows_mask, other=0.0)
+        ptrs += WS_ROWS * BLOCK_R
+    acc = tl.dot(tmp.to(b.dtype), b)
+    _add_into_output(
+        acc, tokens, tokens < num_pairs, offs_n, N, col_offset + s * N, out_ptr, topk_w_ptr,
+        stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_BATCH_ARGS)
+def fused_kernel(
+    x_ptr,
+    a0_ptr,
+    a1_ptr,
+    b0_ptr,
+    b1_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    tlm_ptr,
+    lora_ids_ptr,
+    enabled_ptr,
+    K,
+    N,
+    num_pairs,
+    top_k,
+    num_m_blocks,
+    em,
+    num_units,
+    max_loras,
+    col_offset,
+    stride_xm,
+    stride_xk,
+    stride_al,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_bl,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    stride_sl,
+    stride_el,
+    TOKEN_FACTOR: tl.constexpr,
+    SORTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NPID: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ADD_INPUTS: tl.constexpr,
+):
+    """One program: tmp = x[rows] @ A.T over all of K on chip, then output (+)= tmp @ B.T over
+    its 1/NPID share of N."""
+    unit = tl.program_id(0) // NPID
+    n_part = tl.program_id(0) % NPID
+    s = tl.program_id(1)
+    slot, expert, tokens, valid = _resolve_unit(
+        unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
+        num_pairs, top_k, num_m_blocks, em, max_loras, stride_sl, stride_el, SORTED, BLOCK_M,
+    )  # fmt: skip
+    if valid == 0:
+        return
+    tmask = tokens < num_pairs
+    a_base = _slice_base(a0_ptr, a1_ptr, s, slot, expert, stride_al, stride_ae)
+    acc = _shrink(
+        x_ptr, a_base, tokens // TOKEN_FACTOR, tmask, 0, K, K,
+        stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K,
+    )  # fmt: skip
+    b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
+    n_per = tl.cdiv(tl.cdiv(N, NPID), BLOCK_N) * BLOCK_N
+    n_lo = n_part * n_per
+    n_hi = tl.minimum(n_lo + n_per, N)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        b = _load_b(b_base, offs_n, n_hi, stride_bn, stride_br, BLOCK_R, RANK)
+        out = tl.dot(acc.to(b.dtype), b)
+        _add_into_output(
+            out, tokens, tmask, offs_n, n_hi, col_offset + s * N, out_ptr, topk_w_ptr,
+            stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
+        )  # fmt: skip

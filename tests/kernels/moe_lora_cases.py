@@ -1,0 +1,170 @@
+"""Inputs for MoE-LoRA kernel tests: routing, adapter popularity, weights; shared by CPU and GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig
+from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_reference import (
+    fused_moe_lora_reference,
+    moe_lora_align_reference,
+    pairs_to_update,
+)
+
+Popularity = Literal["distinct", "uniform", "zipf", "identical", "skewed"]
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    top_k: int
+    experts: int
+    rank: int
+    adapters: int
+    popularity: Popularity = "uniform"
+    no_adapter: float = 0.0  # fraction of tokens with slot -1
+    expert_skew: bool = False
+    k: int = 64
+    n: int = 48
+    slices: int = 2
+    block_m: int = 16
+    sorted_form: bool = False
+    mul_routed_weight: bool = False
+    add_inputs: bool = True
+    offset: int = 0
+    disabled_slot: bool = False  # slot 0 loaded but its adapter disabled
+    specialize_active: bool = False  # num_active_loras = actual count, not max_loras + 1
+
+
+def _slots(case: Case, gen: torch.Generator) -> torch.Tensor:
+    t, a = case.tokens, case.adapters
+    if case.popularity == "distinct":
+        slots = torch.arange(t) % a
+    elif case.popularity == "identical":
+        slots = torch.zeros(t, dtype=torch.long)
+    else:
+        if case.popularity == "uniform":
+            p = torch.ones(a)
+        elif case.popularity == "zipf":
+            p = 1.0 / torch.arange(1, a + 1, dtype=torch.float)
+        else:  # skewed: nine tenths on one adapter
+            p = torch.full((a,), 0.1 / max(a - 1, 1))
+            p[0] = 0.9 if a > 1 else 1.0
+        slots = torch.multinomial(p, t, replacement=True, generator=gen)
+    none = torch.rand(t, generator=gen) < case.no_adapter
+    return torch.where(none, -1, slots).to(torch.int32)
+
+
+def _topk_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
+    if case.expert_skew:
+        p = 1.0 / torch.arange(1, case.experts + 1, dtype=torch.float) ** 2
+    else:
+        p = torch.ones(case.experts)
+    p = p.expand(case.tokens, -1)
+    return torch.multinomial(p, case.top_k, replacement=False, generator=gen).to(torch.int32)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict:
+    """Random inputs for one call, scaled so that the LoRA delta is O(1) like the output."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = case.tokens * case.top_k if case.mul_routed_weight else case.tokens
+    num_slots = case.adapters
+    a = [torch.randn(num_slots, case.experts, case.rank, case.k, generator=gen) / case.k**0.5]
+    b = [torch.randn(num_slots, case.experts, case.n, case.rank, generator=gen) / case.rank**0.5]
+    for _ in range(case.slices - 1):
+        a.append(torch.randn(a[0].shape, generator=gen) / case.k**0.5)
+        b.append(torch.randn(b[0].shape, generator=gen) / case.rank**0.5)
+    tlm = _slots(case, gen)
+    topk_ids = _topk_ids(case, gen)
+    enabled = torch.ones(num_slots + 1, dtype=torch.int32)
+    if case.disabled_slot:
+        enabled[0] = 0
+    active = torch.unique(tlm).to(torch.int32)
+    lora_ids = torch.full((num_slots + 1,), -1, dtype=torch.int32)
+    lora_ids[: active.numel()] = active
+    n_active = active.numel() if case.specialize_active else num_slots + 1
+    if case.sorted_form:
+        st, eids, ntpp = moe_lora_align_reference(
+            topk_ids, tlm, case.experts, case.block_m, num_slots, enabled
+        )
+    else:
+        st, eids, ntpp = None, topk_ids.reshape(-1).clone(), None
+    cols = case.offset + case.slices * case.n + 5
+    dev = torch.device(device)
+
+    def put(t: torch.Tensor | None, dt: torch.dtype | None = None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=dev, dtype=dt or t.dtype)
+
+    return {
+        "output": put(torch.randn(case.tokens, case.top_k, cols, generator=gen), dtype),
+        "qcurr_hidden_states": put(torch.randn(rows, case.k, generator=gen), dtype),
+        "lora_a_stacked": [put(t, dtype) for t in a],
+        "lora_b_stacked": [put(t, dtype) for t in b],
+        "topk_weights": put(torch.rand(case.tokens, case.top_k, generator=gen), torch.float32),
+        "sorted_token_ids": put(st),
+        "expert_ids": put(eids),
+        "num_tokens_post_padded": put(ntpp),
+        "token_lora_mapping": put(tlm),
+        "max_lora_rank": case.rank,
+        "top_k_num": case.top_k,
+        "lora_ids": put(lora_ids),
+        "num_active_loras": torch.tensor([n_active], dtype=torch.int32),
+        "adapter_enabled": put(enabled),
+    }
+
+
+def check_against_reference(
+    case: Case, config: MoeLoraConfig | None, dtype: torch.dtype, device: str, seed: int
+) -> float:
+    """Run kernel and reference on fresh inputs; return the relative error of the delta.
+
+    Pairs the spec leaves alone must be bit for bit unchanged; the error is
+    ||out - ref|| / ||ref - before||, with the reference in float64.
+    """
+    args = make_inputs(case, dtype, device, seed)
+    before = args["output"].clone()
+    if not case.add_inputs:
+        args["output"].fill_(777.0)  # poison: every updated cell must be overwritten
+        before.fill_(777.0)
+    ref = before.double().cpu()
+    cpu_args = {
+        k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items() if k != "output"
+    }
+    cpu_args["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
+    cpu_args["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
+    common = {"mul_routed_weight": case.mul_routed_weight, "offset": case.offset}
+    fused_moe_lora_reference(
+        ref, **cpu_args, block_size=case.block_m, add_inputs=case.add_inputs, **common
+    )
+    fused_moe_lora(
+        **args, shrink_block_size_m=case.block_m, add_inputs=case.add_inputs, config=config,
+        **common,
+    )  # fmt: skip
+    out = args["output"].double().cpu()
+    work = pairs_to_update(
+        case.tokens * case.top_k,
+        case.top_k,
+        cpu_args["sorted_token_ids"],
+        cpu_args["expert_ids"],
+        cpu_args["num_tokens_post_padded"],
+        cpu_args["token_lora_mapping"],
+        cpu_args["lora_ids"],
+        int(cpu_args["num_active_loras"][0]),
+        cpu_args["adapter_enabled"],
+        case.adapters,
+        case.block_m,
+    )
+    touched = torch.zeros(case.tokens * case.top_k, dtype=torch.bool)
+    touched[[f for f, _, _ in work]] = True
+    flat_out = out.view(touched.numel(), -1)
+    flat_before = before.double().cpu().view(touched.numel(), -1)
+    assert torch.equal(flat_out[~touched], flat_before[~touched]), "a pair not routed changed"
+    assert not torch.isnan(out).any()
+    delta = (ref - before.double().cpu()).norm()
+    if not work:
+        return 0.0
+    return float((out - ref).norm() / delta.clamp_min(1e-12))

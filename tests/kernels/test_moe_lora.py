@@ -1,0 +1,99 @@
+"""The fused MoE-LoRA kernels against the plain-torch spec, over hard grids (CPU interpreter).
+
+Runs under TRITON_INTERPRET=1 in fp32 and fp16 (bf16 tl.dot is wrong in the interpreter; bf16
+is covered by test_moe_lora_gpu.py on the device). Sizes are small in K and N so that the
+interpreter stays fast, and odd (63, 100) so that no dimension is a multiple of its block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from moe_lora_cases import Case, check_against_reference
+
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig
+
+SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
+FUSED = MoeLoraConfig("fused", block_k=32, block_n=32, npid=2)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Each line covers one hard corner; together: tokens 1..2048 (odd too), top-k 1/2/4/8, experts
+# 8..128, ranks 8/16/32/64, 1..16 adapters, every popularity, tokens without adapter, skewed
+# expert load, disabled slots, both routing forms, both routed-weight layouts.
+CASES = {
+    "t1_k8_e128_r32_a8": Case(1, 8, 128, 32, 8),
+    "t7_k4_e8_r8_a1_distinct": Case(7, 4, 8, 8, 1, "distinct", k=100, n=63),
+    "t63_k2_e63_r16_a16_zipf_none": Case(63, 2, 63, 16, 16, "zipf", no_adapter=0.3),
+    "t33_k8_e128_r64_a4_skewed_skewload": Case(
+        33, 8, 128, 64, 4, "skewed", expert_skew=True, k=100
+    ),
+    "t200_k1_e16_r8_a3_identical": Case(200, 1, 16, 8, 3, "identical", n=63),
+    "t2048_k1_e8_r16_a2_uniform": Case(2048, 1, 8, 16, 2, k=32, n=16, slices=1),
+    "t15_k2_e8_r32_a5_disabled_none": Case(
+        15, 2, 8, 32, 5, "uniform", no_adapter=0.5, disabled_slot=True
+    ),
+    "t9_k4_e32_r16_a16_distinct_down": Case(
+        9, 4, 32, 16, 16, "distinct", mul_routed_weight=True, slices=1, k=63, n=100
+    ),
+    "t5_k2_e8_r8_a2_all_none": Case(5, 2, 8, 8, 2, no_adapter=1.0),
+}
+
+
+def _sorted(case: Case, **kw: object) -> Case:
+    return dataclasses.replace(case, sorted_form=True, **kw)
+
+
+# Sorted-form cases: vLLM uses this form once tokens * top_k outgrow experts * adapters / 8.
+SORTED_CASES = {
+    "t64_k8_e128_r32_a8_bm16": _sorted(Case(64, 8, 128, 32, 8), specialize_active=True),
+    "t63_k4_e16_r64_a4_zipf_bm32": _sorted(Case(63, 4, 16, 64, 4, "zipf", k=100), block_m=32),
+    "t300_k2_e8_r16_a3_skewload_none_bm64": _sorted(
+        Case(300, 2, 8, 16, 3, "skewed", no_adapter=0.2, expert_skew=True), block_m=64
+    ),
+    "t2048_k2_e8_r8_a16_uniform_bm64": _sorted(
+        Case(2048, 2, 8, 8, 16, k=32, n=16, slices=1), block_m=64, mul_routed_weight=True
+    ),
+    "t17_k2_e8_r32_a3_disabled_bm16": _sorted(Case(17, 2, 8, 32, 3, disabled_slot=True)),
+}
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["split", "fused"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_naive_form_matches_reference(name: str, config: MoeLoraConfig) -> None:
+    err = check_against_reference(CASES[name], config, torch.float32, DEVICE, seed=hash(name) % 997)
+    assert err < _tolerance(torch.float32), err
+
+
+@pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["split", "fused"])
+@pytest.mark.parametrize("name", sorted(SORTED_CASES))
+def test_sorted_form_matches_reference(name: str, config: MoeLoraConfig) -> None:
+    case = SORTED_CASES[name]
+    err = check_against_reference(case, config, torch.float32, DEVICE, seed=len(name))
+    assert err < _tolerance(torch.float32), err
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(6, 2, 8, 16, 3, offset=7, add_inputs=False),
+        _sorted(Case(40, 4, 8, 32, 4, mul_routed_weight=True, add_inputs=False, offset=3)),
+    ],
+    ids=["naive_offset_overwrite", "sorted_down_overwrite"],
+)
+@pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["split", "fused"])
+def test_fp16_offset_and_overwrite(case: Case, config: MoeLoraConfig) -> None:
+    err = check_against_reference(case, config, torch.float16, DEVICE, seed=3)
+    assert err < _tolerance(torch.float16), err
+
+
+@pytest.mark.parametrize("name", ["t1_k8_e128_r32_a8", "t9_k4_e32_r16_a16_distinct_down"])
+def test_tuned_lookup_path_matches_reference(name: str) -> None:
+    """No config passed: the op looks one up (the fallback on a machine with no tuned file)."""
+    err = check_against_reference(CASES[name], None, torch.float16, DEVICE, seed=11)
+    assert err < _tolerance(torch.float16), err
