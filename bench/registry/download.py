@@ -130,9 +130,13 @@ def main() -> None:
     console.print(table)
     console.print(f"throughput ratio loraplex / aws s3 cp = {ratio:.2f} (target >= 0.9)")
     settings = RegistrySettings()
-    config = {"mib": args.mib, "repeats": args.repeats,
-              "chunk_mib": settings.transfer_chunk_mib,
-              "max_concurrency": settings.transfer_max_concurrency, "includes_sha256": True}  # fmt: skip
+    config = {
+        "mib": args.mib,
+        "repeats": args.repeats,
+        "chunk_mib": settings.transfer_chunk_mib,
+        "max_concurrency": settings.transfer_max_concurrency,
+        "includes_sha256": True,
+    }
     path = append_rows("registry_download", [
         {**stamp(), "bench": "registry_download", "config": config,
          "ours_s": med["loraplex"], "reference_s": med["aws s3 cp"], "ratio": ratio,
