@@ -29,6 +29,16 @@ _RECORD_KEY = "loraplex_record"
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+def install_json_handler() -> None:
+    """Write access lines to stderr as bare JSON (one object per line), apart from other logs."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def record_of(request: Request) -> RequestRecord | None:
     """The record of this request (None outside the middleware, e.g. in unit tests)."""
     return request.scope.get("state", {}).get(_RECORD_KEY)

@@ -7,16 +7,22 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
-from prometheus_client import make_asgi_app
+from fastapi import FastAPI, Response
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from loraplex.adapters_registry.lifecycle import open_adapter_source
+from loraplex.adapters_registry.store import open_store
+from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway, InFlightLimit
+from loraplex.server.metrics import METRICS_CONTENT_TYPE, GatewayMetrics, exposition
 from loraplex.server.model_choice import choose_served_model
-from loraplex.server.routes import admin_adapters, health, openai
+from loraplex.server.routes import admin_adapters, admin_tenants, health, openai
 from loraplex.server.settings import Settings
+from loraplex.server.tenancy.directory import TenantDirectory
+from loraplex.server.tenancy.service import Tenancy
+from loraplex.server.tenancy.store import TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -26,43 +32,72 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         served = choose_served_model(settings)
         engine = await EngineClient.start(settings.engine, served.model_dir, served.name)
+        # Tenants live beside the adapter catalog (the registry's default store location).
+        store = open_store(
+            settings.registry.store or str(settings.cache_dir / "adapters" / "store"),
+            settings.registry,
+        )
+        directory = TenantDirectory(
+            settings.tenancy,
+            TenantStore(store, settings.tenancy.store_prefix),
+            settings.http.admin_token,
+        )
+        tenancy = Tenancy(settings.tenancy, directory, metrics)
         try:
-            async with open_adapter_source(
-                settings.registry,
-                engine,
-                model_dir=served.model_dir,
-                base_model_name=served.name,
-                max_lora_rank=settings.engine.max_lora_rank,
-                max_loras=settings.engine.max_loras,
-                max_cpu_loras=settings.engine.max_cpu_loras,
-                cache_root=settings.cache_dir / "adapters",
-                seed_dir=served.adapters_dir,
-            ) as adapters:
+            async with (
+                open_adapter_source(
+                    settings.registry,
+                    engine,
+                    model_dir=served.model_dir,
+                    base_model_name=served.name,
+                    max_lora_rank=settings.engine.max_lora_rank,
+                    max_loras=settings.engine.max_loras,
+                    max_cpu_loras=settings.engine.max_cpu_loras,
+                    cache_root=settings.cache_dir / "adapters",
+                    seed_dir=served.adapters_dir,
+                ) as adapters,
+                tenancy.following_store(settings.registry.poll_interval_s),
+            ):
                 log.info(
                     "serving %s from %s with adapters %s",
                     served.name, served.model_dir, adapters.names(),
                 )  # fmt: skip
                 app.state.adapter_registry = adapters
+                app.state.tenancy = tenancy
                 app.state.gateway = Gateway(
                     engine=engine,
                     adapters=adapters,
                     base_model=served.name,
                     in_flight=InFlightLimit(settings.engine.max_pending_requests),
+                    tenancy=tenancy,
                 )
                 yield
         finally:
             app.state.gateway = None
             app.state.adapter_registry = None
+            app.state.tenancy = None
             engine.shutdown()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     app.state.settings = settings
     app.state.gateway = None
+    app.state.tenancy = None
     app.state.adapter_registry = None
+    metrics = GatewayMetrics(CollectorRegistry(), settings.tenancy.adapter_label_top_k)
+    metrics.watch_queues(lambda: app.state.tenancy.queue_snapshot() if app.state.tenancy else {})
+    metrics.watch_engine(lambda: app.state.gateway is not None and app.state.gateway.engine.healthy)
+    install_json_handler()
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(health.router)
     app.include_router(admin_adapters.router)
-    # vLLM registers its engine metrics in prometheus_client's default registry: serve them here.
-    app.mount("/metrics", make_asgi_app())
+    app.include_router(admin_tenants.router)
+
+    # vLLM (and the adapter registry) register in prometheus_client's default registry; the
+    # gateway's metrics live in this app's own registry. Both are served here.
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(exposition(REGISTRY, metrics.registry), media_type=METRICS_CONTENT_TYPE)
+
     return app

@@ -13,13 +13,14 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplex.adapters_registry.base import AdapterNotFound, AdapterSource, ServableAdapter
+from loraplex.server.access_log import record_of
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.engine.sampling import to_sampling_params
 from loraplex.server.errors import ApiError, EngineOverloaded, ModelNotFound
@@ -35,6 +36,8 @@ from loraplex.server.responses import (
     usage_chunk,
     whole_response,
 )
+from loraplex.server.tenancy.model import Tenant
+from loraplex.server.tenancy.service import Admitted, Tenancy
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Gateway:
     adapters: AdapterSource
     base_model: str
     in_flight: InFlightLimit
+    tenancy: Tenancy
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Prepared:
     prompt_ids: list[int]
     max_tokens: int
     adapter: ServableAdapter | None
+    admitted: Admitted = field(init=False)  # set by `complete` once tenancy admits the request
 
 
 async def _prepare(
@@ -111,7 +116,7 @@ async def _deltas(
 ) -> AsyncIterator[tuple[ChoiceState, str, Any]]:
     """(choice, new text, new logprobs) for each delta of each choice, in engine order."""
     params = to_sampling_params(body, prep.max_tokens)
-    stream = gw.engine.generate(prep.prompt_ids, params, prep.adapter, prep.meta.id)
+    stream = prep.admitted.generate(gw.engine, prep.prompt_ids, params, prep.adapter, prep.meta.id)
     async with aclosing(stream):
         async for output in stream:
             for out in output.outputs:
@@ -182,13 +187,18 @@ async def _collect_unless_disconnected(
 
 
 async def complete(
-    request: Request, gw: Gateway, body: ChatCompletionRequest | CompletionRequest
+    request: Request,
+    gw: Gateway,
+    body: ChatCompletionRequest | CompletionRequest,
+    tenant: Tenant,
 ) -> JSONResponse | StreamingResponse:
     """Serve one chat or text completion, whole or streamed."""
     stack = AsyncExitStack()
     try:
         adapter = None
         if body.model != gw.base_model:
+            if not tenant.may_use(body.model):  # another tenant's adapter: exactly "not found"
+                raise ModelNotFound(body.model)
             try:
                 adapter = await stack.enter_async_context(gw.adapters.lease(body.model))
             except AdapterNotFound as e:
@@ -196,6 +206,15 @@ async def complete(
         prep = await _prepare(gw, body, adapter)
         gw.in_flight.acquire()
         stack.callback(gw.in_flight.release)
+        prep.admitted = gw.tenancy.admit(
+            tenant,
+            record_of(request),
+            model=body.model,
+            adapter=None if adapter is None else body.model,
+            prompt_tokens=len(prep.prompt_ids),
+            max_tokens=prep.max_tokens,
+        )
+        stack.callback(prep.admitted.close)
         if body.stream:
             # From here the stream owns the lease and the in-flight slot; it releases both.
             owned = stack.pop_all()

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -187,3 +193,11 @@ class GatewayMetrics:
         itl = self.itl.labels(*labels)
         for gap in record.inter_token_latencies():
             itl.observe(gap)
+
+
+def exposition(*registries: CollectorRegistry) -> bytes:
+    """The text format of several registries, one after the other (their names never clash)."""
+    return b"".join(generate_latest(r) for r in registries)
+
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST

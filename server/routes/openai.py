@@ -10,29 +10,31 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loraplex.server.deps import GatewayDep
 from loraplex.server.generation import complete
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.tenancy.deps import TenantDep
 
 router = APIRouter(prefix="/v1")
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
-    request: Request, body: ChatCompletionRequest, gateway: GatewayDep
+    request: Request, body: ChatCompletionRequest, gateway: GatewayDep, tenant: TenantDep
 ) -> JSONResponse | StreamingResponse:
-    return await complete(request, gateway, body)
+    return await complete(request, gateway, body, tenant)
 
 
 @router.post("/completions", response_model=None)
 async def completions(
-    request: Request, body: CompletionRequest, gateway: GatewayDep
+    request: Request, body: CompletionRequest, gateway: GatewayDep, tenant: TenantDep
 ) -> JSONResponse | StreamingResponse:
-    return await complete(request, gateway, body)
+    return await complete(request, gateway, body, tenant)
 
 
 @router.get("/models")
-async def list_models(gateway: GatewayDep) -> dict[str, Any]:
+async def list_models(gateway: GatewayDep, tenant: TenantDep) -> dict[str, Any]:
     base = {"id": gateway.base_model, "object": "model", "owned_by": "loraplex", "root": None}
     adapters = [
         {"id": name, "object": "model", "owned_by": "loraplex", "parent": gateway.base_model}
         for name in gateway.adapters.names()
+        if tenant.may_use(name)
     ]
     return {"object": "list", "data": [base, *adapters]}

@@ -48,7 +48,7 @@ class Admitted:
         params: SamplingParams,
         adapter: ServableAdapter | None,
         request_id: str,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Wait for the fair engine slot, then stream the engine's outputs.
 
         Cancelled while waiting (client gone), the request leaves the queue and never reaches
@@ -81,12 +81,11 @@ class Tenancy:
         self.directory = directory
         self.metrics = metrics
         self.admission = Admission(settings)
-        dispatcher = self.admission.dispatcher
-        metrics.watch_queues(
-            lambda: {
-                t: (dispatcher.queued(t), dispatcher.running(t)) for t in dispatcher.tenant_ids()
-            }
-        )
+
+    def queue_snapshot(self) -> dict[str, tuple[int, int]]:
+        """`{tenant: (queued, running)}` for the queue gauges."""
+        d = self.admission.dispatcher
+        return {t: (d.queued(t), d.running(t)) for t in d.tenant_ids()}
 
     def authenticate(self, bearer: str | None, record: RequestRecord | None) -> Tenant:
         try:
