@@ -11,7 +11,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from loraplex.adapters_registry.lifecycle import open_adapter_source
-from loraplex.adapters_registry.store import open_store
+from loraplex.adapters_registry.store import ObjectStore
 from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
@@ -27,22 +27,25 @@ from loraplex.server.tenancy.store import TenantStore
 log = logging.getLogger(__name__)
 
 
+@asynccontextmanager
+async def _tenancy(
+    settings: Settings, store: ObjectStore, metrics: GatewayMetrics
+) -> AsyncIterator[Tenancy]:
+    directory = TenantDirectory(
+        settings.tenancy,
+        TenantStore(store, settings.tenancy.store_prefix),
+        settings.http.admin_token,
+    )
+    tenancy = Tenancy(settings.tenancy, directory, metrics)
+    async with tenancy.following_store(settings.registry.poll_interval_s):
+        yield tenancy
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         served = choose_served_model(settings)
         engine = await EngineClient.start(settings.engine, served.model_dir, served.name)
-        # Tenants live beside the adapter catalog (the registry's default store location).
-        store = open_store(
-            settings.registry.store or str(settings.cache_dir / "adapters" / "store"),
-            settings.registry,
-        )
-        directory = TenantDirectory(
-            settings.tenancy,
-            TenantStore(store, settings.tenancy.store_prefix),
-            settings.http.admin_token,
-        )
-        tenancy = Tenancy(settings.tenancy, directory, metrics)
         try:
             async with (
                 open_adapter_source(
@@ -56,7 +59,8 @@ def create_app(settings: Settings) -> FastAPI:
                     cache_root=settings.cache_dir / "adapters",
                     seed_dir=served.adapters_dir,
                 ) as adapters,
-                tenancy.following_store(settings.registry.poll_interval_s),
+                # Tenants live beside the adapter catalog, in the same object store.
+                _tenancy(settings, adapters.store, metrics) as tenancy,
             ):
                 log.info(
                     "serving %s from %s with adapters %s",
