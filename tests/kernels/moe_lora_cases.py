@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -68,7 +68,7 @@ def _topk_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
     return torch.multinomial(p, case.top_k, replacement=False, generator=gen).to(torch.int32)
 
 
-def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict:
+def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict[str, Any]:
     """Random inputs for one call, scaled so that the LoRA delta is O(1) like the output."""
     gen = torch.Generator().manual_seed(seed)
     rows = case.tokens * case.top_k if case.mul_routed_weight else case.tokens
@@ -131,12 +131,12 @@ def check_against_reference(
         args["output"].fill_(777.0)  # poison: every updated cell must be overwritten
         before.fill_(777.0)
     ref = before.double().cpu()
-    cpu_args = {
+    cpu_args: dict[str, Any] = {
         k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items() if k != "output"
     }
     cpu_args["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
     cpu_args["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
-    common = {"mul_routed_weight": case.mul_routed_weight, "offset": case.offset}
+    common: dict[str, Any] = {"mul_routed_weight": case.mul_routed_weight, "offset": case.offset}
     fused_moe_lora_reference(
         ref, **cpu_args, block_size=case.block_m, add_inputs=case.add_inputs, **common
     )

@@ -8,6 +8,7 @@ interpreter stays fast, and odd (63, 100) so that no dimension is a multiple of 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ CASES = {
 }
 
 
-def _sorted(case: Case, **kw: object) -> Case:
+def _sorted(case: Case, **kw: Any) -> Case:
     return dataclasses.replace(case, sorted_form=True, **kw)
 
 

@@ -1,0 +1,185 @@
+"""Our MoE-LoRA op against vLLM 0.26's `fused_moe_lora` on identical inputs, in one run.
+
+    PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_moe_lora.py --commit SHA --out DIR
+
+Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model shape, call (w13,
+w2) and batch, both ops get the same sets of inputs: vLLM's own routing metadata (its
+`moe_lora_align_block_size` CUDA op, its naive/sorted rule and its MoE-LoRA config, as
+`PunicaWrapperGPU.add_lora_w13` builds them). Times are medians per call in CUDA-graph replay
+(`moe_lora_workload.time_per_call`); "eager" is a plain Python loop of launches. The HBM floor is
+the adapter bytes the call must read once over the device-to-device copy rate measured in the
+same run. Writes JSON rows (machine, commit, config) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from vllm import _custom_ops as vllm_ops
+from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
+from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
+from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
+
+from loraplex.kernels.moe_lora_configs import ShapeKey, lookup
+from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_workload import (
+    BATCHES,
+    SHAPES,
+    CallSpec,
+    MoeShape,
+    copy_bandwidth,
+    make_set,
+    make_weights,
+    naive_form,
+    sets_needed,
+    time_per_call,
+)
+
+CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "NUM_WARPS",
+               "NUM_STAGES", "SPLIT_K")  # fmt: skip
+DEFAULTS = (64, 64, 32, 8, 4, 3, 1)  # punica_gpu.add_lora_fused_moe's .get() defaults
+
+
+def vllm_configs(shape: MoeShape, op: str, tokens: int, rank: int) -> tuple[dict, dict]:
+    w1 = (shape.experts, 2 * shape.inter, shape.hidden)
+    w2 = (shape.experts, shape.hidden, shape.inter)
+    get = functools.partial(try_get_optimal_moe_lora_config, w1_shape=w1, w2_shape=w2,
+                            rank=rank, top_k=shape.top_k, dtype=None, M=tokens)  # fmt: skip
+    shrink = _normalize_lora_config_keys(get(op_type=f"fused_moe_lora_{op}_shrink"))
+    expand = _normalize_lora_config_keys(get(op_type=f"fused_moe_lora_{op}_expand"))
+    return shrink, expand
+
+
+def vllm_align(
+    topk_ids: torch.Tensor,
+    tlm: torch.Tensor,
+    num_experts: int,
+    block: int,
+    max_loras: int,
+    enabled: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`PunicaWrapperGPU.moe_lora_align_block_size` (no expert map), through vLLM's CUDA op."""
+    padded = topk_ids.numel() + num_experts * (block - 1)
+    if topk_ids.numel() < num_experts:
+        padded = topk_ids.numel() * block
+    blocks = -(-padded // block)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_loras * padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.full((max_loras * blocks,), -1, dtype=torch.int32, device=dev)
+    ntpp = torch.empty(max_loras, dtype=torch.int32, device=dev)
+    lora_ids = torch.full((max_loras + 1,), -1, dtype=torch.int32, device=dev)
+    active = torch.unique(tlm).to(torch.int32)
+    lora_ids[: active.numel()] = active
+    vllm_ops.moe_lora_align_block_size(topk_ids, tlm, num_experts, block, max_loras, padded,
+                                       blocks, sorted_ids, expert_ids, ntpp, enabled, lora_ids,
+                                       None)  # fmt: skip
+    return sorted_ids.view(max_loras, -1), expert_ids.view(max_loras, -1), ntpp
+
+
+def vllm_call(args: dict, shrink: dict, expand: dict) -> None:
+    sh = [shrink.get(k) or d for k, d in zip(CONFIG_KEYS, DEFAULTS, strict=True)]
+    ex = [expand.get(k) or d for k, d in zip(CONFIG_KEYS, DEFAULTS, strict=True)]
+    vllm_fused_moe_lora(
+        args["output"], args["qcurr_hidden_states"], args["lora_a_stacked"],
+        args["lora_b_stacked"], args["topk_weights"], args["sorted_token_ids"],
+        args["expert_ids"], args["num_tokens_post_padded"], args["token_lora_mapping"],
+        args["max_lora_rank"], args["top_k_num"], args["lora_ids"], args["num_active_loras"],
+        args["adapter_enabled"], *sh, *ex, args["mul_routed_weight"], False, 0, True,
+    )  # fmt: skip
+
+
+def eager_per_call(calls: list, trials: int = 5) -> float:
+    times = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6 / len(calls))
+    return statistics.median(times)
+
+
+def bench_point(
+    shape: MoeShape, op: str, tokens: int, weights: tuple, bw: float, ns: argparse.Namespace
+) -> dict:
+    spec = CallSpec.of(shape, op)
+    shrink, expand = vllm_configs(shape, op, tokens, ns.rank)
+    block_m = int(shrink.get("BLOCK_SIZE_M") or 64)
+    first, nbytes = make_set(shape, spec, tokens, ns.adapters, 0, weights, block_m, ns.dtype,
+                             "cuda", vllm_align)  # fmt: skip
+    sets = [(first, nbytes)] + [
+        make_set(shape, spec, tokens, ns.adapters, i, weights, block_m, ns.dtype, "cuda",
+                 vllm_align)
+        for i in range(1, sets_needed(nbytes))
+    ]  # fmt: skip
+    args = [s for s, _ in sets]
+    ours = [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m) for a in args]
+    theirs = [functools.partial(vllm_call, a, shrink, expand) for a in args]
+    before = args[0]["output"].clone()
+    theirs[0]()
+    ref = args[0]["output"].float() - before.float()
+    args[0]["output"].copy_(before)
+    ours[0]()
+    got = args[0]["output"].float() - before.float()
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    vllm_us, ours_us = time_per_call(theirs), time_per_call(ours)
+    floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
+    sorted_form = not naive_form(shape, tokens, ns.adapters)
+    key = ShapeKey(spec.k, spec.n, spec.slices, ns.rank, shape.experts, shape.top_k, sorted_form,
+                   str(ns.dtype))  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = lookup(torch.cuda.get_device_name(), key, tokens * shape.top_k, sms)
+    return {
+        "shape": shape.name, "op": op, "tokens": tokens,
+        "form": "sorted" if sorted_form else "naive",
+        "vllm_block_m": block_m, "sets": len(sets), "vllm_us": vllm_us, "ours_us": ours_us,
+        "speedup": vllm_us / ours_us, "floor_us": floor_us, "ours_over_floor": ours_us / floor_us,
+        "vllm_eager_us": eager_per_call(theirs), "ours_eager_us": eager_per_call(ours),
+        "rel_err_vs_vllm": err, "our_config": cfg.to_json(),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=8)
+    ns = parser.parse_args()
+    ns.dtype = torch.bfloat16
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows = []
+    for name in ns.shapes:
+        shape = SHAPES[name]
+        for op in ("w13", "w2"):
+            weights = make_weights(shape, CallSpec.of(shape, op), ns.adapters, ns.rank, ns.dtype,
+                                   "cuda")  # fmt: skip
+            for tokens in ns.batches:
+                row = bench_point(shape, op, tokens, weights, bw, ns)
+                row.update(machine=gpu, commit=ns.commit, copy_tb_s=bw / 1e12, rank=ns.rank,
+                           adapters=ns.adapters, dtype="bfloat16")  # fmt: skip
+                rows.append(row)
+                print(f"{name:14s} {op:3s} T={tokens:6d} {row['form']:6s} vllm "
+                      f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
+                      f"floor {row['floor_us']:8.1f} ours/floor {row['ours_over_floor']:5.2f} "
+                      f"err {row['rel_err_vs_vllm']:.1e}", flush=True)  # fmt: skip
+            del weights
+            torch.cuda.empty_cache()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "_" for c in gpu).lower()
+    (ns.out / f"moe_lora_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

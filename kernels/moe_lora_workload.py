@@ -1,0 +1,201 @@
+"""MoE-LoRA calls as vLLM 0.26 makes them, for the tuner and the benchmarks (torch only).
+
+A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`):
+
+    w13: x (T, hidden) -> output (T, k, 2 * inter), slices gate and up, K = hidden, N = inter
+    w2:  x (T * k, inter) -> output (T, k, hidden), one slice, K = inter, N = hidden, the delta
+         scaled by the routing weight
+
+vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, else in the sorted
+form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
+
+Timing: each call gets its own routing, adapter rotation, x and output (a "set"), and as many sets
+as it takes for the adapter bytes they touch to exceed four L2s, so repeated replays measure HBM,
+not the cache, the way 48 distinct layers would. The calls are captured in one CUDA graph, as
+vLLM runs decode, and replayed; the figure is the median per call.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .moe_lora_reference import moe_lora_align_reference
+
+AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tuple]
+L2_BYTES = 50 * 2**20
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3-30b-a3b": MoeShape("qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8),
+    "gpt-oss-20b": MoeShape("gpt-oss-20b", hidden=2880, inter=2880, experts=32, top_k=4),
+}
+BATCHES = (1, 4, 16, 64, 256, 16 * 1600)
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One of the two calls of a layer: its K, N, slices and whether x is per pair."""
+
+    op: str
+    k: int
+    n: int
+    slices: int
+    per_pair: bool  # w2: x has a row per (token, expert) pair and the weight scales the delta
+
+    @staticmethod
+    def of(shape: MoeShape, op: str) -> CallSpec:
+        if op == "w13":
+            return CallSpec("w13", shape.hidden, shape.inter, 2, False)
+        return CallSpec("w2", shape.inter, shape.hidden, 1, True)
+
+
+def default_block_m(tokens: int) -> int:
+    """vLLM 0.26's default BLOCK_SIZE_M for bf16 MoE (`fused_moe.get_default_config`)."""
+    if tokens <= 32:
+        return 16
+    if tokens <= 96:
+        return 32
+    return 64 if tokens <= 512 else 128
+
+
+def naive_form(shape: MoeShape, tokens: int, max_loras: int) -> bool:
+    """vLLM's rule (`punica_gpu.add_lora_w13`, SPARSITY_FACTOR 8)."""
+    return tokens * shape.top_k * 8 <= shape.experts * max_loras
+
+
+def make_weights(
+    shape: MoeShape, spec: CallSpec, adapters: int, rank: int, dtype: torch.dtype, device: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Stacked A (L, E, R, K) and B (L, E, N, R) per slice, scaled like a trained adapter."""
+    e = shape.experts
+    a = [
+        torch.randn(adapters, e, rank, spec.k, device=device, dtype=dtype) / spec.k**0.5
+        for _ in range(spec.slices)
+    ]
+    b = [
+        torch.randn(adapters, e, spec.n, rank, device=device, dtype=dtype) / (8 * rank**0.5)
+        for _ in range(spec.slices)
+    ]
+    return a, b
+
+
+def make_set(
+    shape: MoeShape,
+    spec: CallSpec,
+    tokens: int,
+    adapters: int,
+    set_index: int,
+    weights: tuple[list[torch.Tensor], list[torch.Tensor]],
+    block_m: int,
+    dtype: torch.dtype,
+    device: str,
+    align: AlignFn = moe_lora_align_reference,
+) -> tuple[dict, int]:
+    """Arguments of one call (adapters round robin over tokens, rotated by set; random top-k)
+    and the adapter bytes it must read (`floor_bytes`)."""
+    gen = torch.Generator().manual_seed(1000 + set_index)
+    k = shape.top_k
+    tlm = ((torch.arange(tokens) + set_index) % adapters).to(torch.int32)
+    scores = torch.rand(tokens, shape.experts, generator=gen)
+    topk_ids = scores.topk(k, dim=1).indices.to(torch.int32)
+    enabled = torch.ones(adapters + 1, dtype=torch.int32)
+    lora_ids = torch.full((adapters + 1,), -1, dtype=torch.int32)
+    active = torch.unique(tlm).to(torch.int32)
+    lora_ids[: active.numel()] = active
+    dev = torch.device(device)
+    if naive_form(shape, tokens, adapters):
+        st, ntpp, eids = None, None, topk_ids.reshape(-1).to(dev)
+    else:
+        st, eids, ntpp = align(topk_ids.to(dev), tlm.to(dev), shape.experts, block_m, adapters,
+                               enabled.to(dev))  # fmt: skip
+    rows = tokens * k if spec.per_pair else tokens
+    cols = spec.slices * spec.n
+    args = {
+        "output": torch.randn(tokens, k, cols, generator=gen).to(dev, dtype),
+        "qcurr_hidden_states": torch.randn(rows, spec.k, generator=gen).to(dev, dtype),
+        "lora_a_stacked": weights[0],
+        "lora_b_stacked": weights[1],
+        "topk_weights": torch.rand(tokens, k, generator=gen).to(dev),
+        "sorted_token_ids": st,
+        "expert_ids": eids,
+        "num_tokens_post_padded": ntpp,
+        "token_lora_mapping": tlm.to(dev),
+        "max_lora_rank": weights[0][0].shape[2],
+        "top_k_num": k,
+        "lora_ids": lora_ids.to(dev),
+        # vLLM's default (specialize_active_lora off) launches over max_loras + 1 slots.
+        "num_active_loras": torch.tensor([adapters + 1], dtype=torch.int32),
+        "adapter_enabled": enabled.to(dev),
+        "mul_routed_weight": spec.per_pair,
+    }
+    return args, floor_bytes(topk_ids, tlm, weights)
+
+
+def floor_bytes(topk_ids: torch.Tensor, tlm: torch.Tensor, weights: tuple) -> int:
+    """Adapter bytes a call must read once: A and B of every distinct (slot, expert) routed."""
+    a, b = weights
+    slots = tlm.long().repeat_interleave(topk_ids.shape[1])
+    distinct = torch.unique(slots * a[0].shape[1] + topk_ids.reshape(-1).long()).numel()
+    per_pair = sum(t[0, 0].numel() * t.element_size() for t in (*a, *b))
+    return distinct * per_pair
+
+
+def sets_needed(bytes_per_call: int) -> int:
+    return max(2, min(64, -(-4 * L2_BYTES // max(bytes_per_call, 1))))
+
+
+def time_per_call(calls: Sequence[Callable[[], None]], reps: int = 10, trials: int = 7) -> float:
+    """Median microseconds per call, the calls captured in one CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:  # warm-up: compiles, caches pointer tables, outside the graph
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (reps * len(calls)))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str = "cuda", nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * nbytes / statistics.median(times)

@@ -1,0 +1,126 @@
+"""Tuner: time candidate launch configs of our MoE-LoRA op on this GPU and write the best as JSON.
+
+    python -m loraplex.kernels.tune_moe_lora [--shapes qwen3-30b-a3b gpt-oss-20b] [--batches 1 4]
+
+For every model shape, call (w13, w2) and batch it builds vLLM-shaped calls (`moe_lora_workload`),
+times each candidate in CUDA-graph replay, checks the winner against the first candidate's output,
+and merges the winners into `kernels/configs/moe_lora_<gpu>.json`, which `moe_lora_configs.lookup`
+reads. Needs a CUDA GPU; torch and triton only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from .moe_lora_configs import MoeLoraConfig, ShapeKey, write_configs
+from .moe_lora_op import fused_moe_lora
+from .moe_lora_workload import (
+    BATCHES,
+    SHAPES,
+    CallSpec,
+    MoeShape,
+    default_block_m,
+    make_set,
+    make_weights,
+    naive_form,
+    sets_needed,
+    time_per_call,
+)
+
+# A split workspace of units x split x rows x rank fp32 grows with the batch; past this many
+# pairs the fused kernel has enough programs anyway.
+SPLIT_MAX_PAIRS = 8192
+
+
+def candidates(k: int, num_pairs: int) -> list[MoeLoraConfig]:
+    """A short list (each candidate is a compile per shape): the fused kernel with narrow and wide
+    N tiles, split over N, more warps; the split kernels with 2 to 16 K ranges."""
+    bk = 128 if k >= 256 else 64
+    out = [
+        MoeLoraConfig("fused", bk, 128),
+        MoeLoraConfig("fused", bk, 64),
+        MoeLoraConfig("fused", bk, 128, npid=4),
+        MoeLoraConfig("fused", bk, 128, num_warps=8),
+    ]
+    if num_pairs <= SPLIT_MAX_PAIRS:
+        out += [MoeLoraConfig("split", bk, 64, split_k=s) for s in (2, 4, 8, 16) if s * bk <= k]
+    return out
+
+
+def shape_key(
+    shape: MoeShape, spec: CallSpec, rank: int, sorted_form: bool, dtype: str
+) -> ShapeKey:
+    return ShapeKey(
+        spec.k, spec.n, spec.slices, rank, shape.experts, shape.top_k, sorted_form, dtype
+    )
+
+
+def tune_point(
+    sets: list[dict], configs: list[MoeLoraConfig], block_m: int
+) -> tuple[MoeLoraConfig, dict[MoeLoraConfig, float]]:
+    """Time every config on the same sets; return the fastest that agrees with the first."""
+    timings: dict[MoeLoraConfig, float] = {}
+    outputs = [s["output"].clone() for s in sets]
+
+    def call(cfg: MoeLoraConfig, s: dict) -> None:
+        fused_moe_lora(**s, shrink_block_size_m=block_m, config=cfg)
+
+    expected = None
+    for cfg in configs:
+        for s, o in zip(sets, outputs, strict=True):
+            s["output"].copy_(o)
+        call(cfg, sets[0])
+        got = sets[0]["output"].float()
+        if expected is None:
+            expected = got.clone()
+        err = float((got - expected).norm() / (expected - outputs[0].float()).norm())
+        if not err < 2e-2:
+            raise AssertionError(f"config {cfg} disagrees with {configs[0]}: rel err {err:.2e}")
+        timings[cfg] = time_per_call([functools.partial(call, cfg, s) for s in sets], 5, 3)
+    best = min(timings, key=timings.__getitem__)
+    return best, timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    gpu = torch.cuda.get_device_name()
+    tuned: dict[str, dict[int, MoeLoraConfig]] = {}
+    for name in args.shapes:
+        shape = SHAPES[name]
+        for op in ("w13", "w2"):
+            spec = CallSpec.of(shape, op)
+            weights = make_weights(shape, spec, args.adapters, args.rank, dtype, "cuda")
+            for tokens in args.batches:
+                block_m = default_block_m(tokens)
+                first, nbytes = make_set(shape, spec, tokens, args.adapters, 0, weights, block_m,
+                                         dtype, "cuda")  # fmt: skip
+                sets = [first] + [
+                    make_set(shape, spec, tokens, args.adapters, i, weights, block_m, dtype,
+                             "cuda")[0]
+                    for i in range(1, sets_needed(nbytes))
+                ]  # fmt: skip
+                num_pairs = tokens * shape.top_k
+                best, timings = tune_point(sets, candidates(spec.k, num_pairs), block_m)
+                sorted_form = not naive_form(shape, tokens, args.adapters)
+                key = shape_key(shape, spec, args.rank, sorted_form, str(dtype)).text()
+                tuned.setdefault(key, {})[num_pairs] = best
+                worst = max(timings.values())
+                print(f"{name:14s} {op:3s} T={tokens:6d} best {timings[best]:8.1f} us "
+                      f"(worst {worst:8.1f}) {best}", flush=True)  # fmt: skip
+            del weights
+            torch.cuda.empty_cache()
+    print("wrote", write_configs(gpu, tuned))
+
+
+if __name__ == "__main__":
+    main()

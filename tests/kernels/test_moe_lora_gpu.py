@@ -1,0 +1,133 @@
+"""The MoE-LoRA kernels on a CUDA GPU: bf16 and fp16 against the float64 spec, vLLM's own routing
+metadata, CUDA-graph capture and no recompilation across batch sizes. Run on the device machine:
+
+    PYTHONPATH=/tmp/site:. python3 -m pytest -m gpu tests/kernels/test_moe_lora_gpu.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from moe_lora_cases import Case, check_against_reference, make_inputs
+
+from loraplex.kernels import moe_lora_triton as kt
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig
+from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference
+
+pytestmark = pytest.mark.gpu
+
+SPLIT = MoeLoraConfig("split", block_k=128, block_n=64, split_k=4)
+FUSED = MoeLoraConfig("fused", block_k=128, block_n=128, npid=2)
+DTYPES = [torch.bfloat16, torch.float16]
+TOL = 2e-2  # bf16 operands: 1e-3 to 1e-2 relative (METHOD.md)
+
+# Qwen3-30B-A3B (hidden 2048, inter 768, 128 experts, top-8) and GPT-OSS-20B-like shapes, plus odd
+# sizes; every popularity; tokens without adapter; skewed expert load.
+CASES = {
+    "qwen_w13_t1": Case(1, 8, 128, 32, 8, "distinct", k=2048, n=768),
+    "qwen_w13_t16_zipf_none": Case(16, 8, 128, 32, 8, "zipf", no_adapter=0.25, k=2048, n=768),
+    "qwen_w2_t4": Case(4, 8, 128, 32, 8, "uniform", k=768, n=2048, slices=1,
+                       mul_routed_weight=True),
+    "gptoss_w13_t3_r64": Case(3, 4, 32, 64, 4, "identical", k=2880, n=2880),
+    "odd_t63_e63_r8_a16_skewed": Case(63, 2, 63, 8, 16, "skewed", expert_skew=True, k=1000, n=63),
+    "t2048_k1_e8_r16": Case(2048, 1, 8, 16, 3, k=256, n=96, slices=1),
+}  # fmt: skip
+SORTED = {
+    "qwen_w13_t64_bm32": dataclasses.replace(
+        Case(64, 8, 128, 32, 8, "distinct", k=2048, n=768), sorted_form=True, block_m=32
+    ),
+    "qwen_w2_t256_bm64": dataclasses.replace(
+        Case(256, 8, 128, 32, 8, "uniform", k=768, n=2048, slices=1, mul_routed_weight=True),
+        sorted_form=True,
+        block_m=64,
+    ),
+    "gptoss_w13_t200_bm64_skew": dataclasses.replace(
+        Case(200, 4, 32, 32, 8, "zipf", no_adapter=0.1, expert_skew=True, k=2880, n=2880),
+        sorted_form=True,
+        block_m=64,
+    ),
+    "t2048_k2_e16_r64_bm128": dataclasses.replace(
+        Case(2048, 2, 16, 64, 4, "skewed", k=512, n=200), sorted_form=True, block_m=128
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", [SPLIT, FUSED, None], ids=["split", "fused", "lookup"])
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(SORTED))
+def test_matches_reference(name: str, config: MoeLoraConfig | None, dtype: torch.dtype) -> None:
+    case = CASES.get(name) or SORTED[name]
+    err = check_against_reference(case, config, dtype, "cuda", seed=len(name))
+    assert err < TOL, err
+
+
+@pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["split", "fused"])
+def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
+    """Sorted form as vLLM's own CUDA align op writes it (not our torch rendering of it), held
+    to the spec evaluated on the naive form of the same routing."""
+    from vllm import _custom_ops as vllm_ops
+
+    case = Case(96, 8, 128, 32, 8, "uniform", k=2048, n=768)
+    args = make_inputs(case, torch.bfloat16, "cuda", seed=5)
+    topk = torch.stack([torch.randperm(128)[:8] for _ in range(96)]).int().cuda()
+    block, slots = 32, 8
+    padded = topk.numel() + 128 * (block - 1)
+    blocks = -(-padded // block)
+    st = torch.empty(slots * padded, dtype=torch.int32, device="cuda")
+    eids = torch.full((slots * blocks,), -1, dtype=torch.int32, device="cuda")
+    ntpp = torch.empty(slots, dtype=torch.int32, device="cuda")
+    vllm_ops.moe_lora_align_block_size(topk, args["token_lora_mapping"], 128, block, slots,
+                                       padded, blocks, st, eids, ntpp, args["adapter_enabled"],
+                                       args["lora_ids"], None)  # fmt: skip
+    args.update(sorted_token_ids=st.view(slots, -1), expert_ids=eids.view(slots, -1),
+                num_tokens_post_padded=ntpp)  # fmt: skip
+    before = args["output"].double().cpu()
+    ref = before.clone()
+    naive = dict(args, sorted_token_ids=None, num_tokens_post_padded=None,
+                 expert_ids=topk.reshape(-1))  # fmt: skip
+    cpu: dict[str, Any] = {
+        k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in naive.items()
+    }
+    cpu.pop("output")
+    cpu["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
+    cpu["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
+    fused_moe_lora_reference(ref, **cpu, block_size=block)
+    fused_moe_lora(**args, shrink_block_size_m=block, config=config)
+    out = args["output"].double().cpu()
+    err = float((out - ref).norm() / (ref - before).norm())
+    assert err < TOL, err
+
+
+def test_cuda_graph_replay_and_no_recompile_across_batches() -> None:
+    """Captured in a graph, the op replays to the eager result; batch sizes 3, 5 and 9 share
+    one compiled kernel per config (lengths are do_not_specialize)."""
+    results = []
+    for tokens in (3, 5, 9):
+        case = Case(tokens, 8, 128, 32, 8, "uniform", k=2048, n=768)
+        eager = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
+        graphed = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
+        fused_moe_lora(**eager, config=SPLIT)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            probe = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
+            fused_moe_lora(**probe, config=SPLIT)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused_moe_lora(**graphed, config=SPLIT)
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append(torch.equal(eager["output"], graphed["output"]))
+        counts = [
+            sum(len(c[0]) for c in k.device_caches.values())
+            for k in (kt.shrink_kernel, kt.expand_kernel)
+        ]
+        if tokens == 3:
+            first_counts = counts
+    assert all(results)
+    assert counts == first_counts, (first_counts, counts)
