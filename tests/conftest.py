@@ -1,0 +1,25 @@
+"""Fixtures shared by the whole suite: the embedded server most HTTP tests talk to."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.server_process import ServerProcess
+
+# The embedded server used by the API tests. fp32 so greedy tokens can be compared with
+# transformers + PEFT in fp32 (vLLM on CPU computes a bf16 checkpoint in bf16 otherwise).
+EMBEDDED_ENV = {
+    "LORAPLEX_ENGINE__DTYPE": "float32",
+    "LORAPLEX_ENGINE__MAX_PENDING_REQUESTS": "8",
+}
+
+
+@pytest.fixture(scope="session")
+def embedded_server() -> Iterator[ServerProcess]:
+    server = ServerProcess(env=EMBEDDED_ENV).start()
+    try:
+        yield server
+    finally:
+        server.stop()
