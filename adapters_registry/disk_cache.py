@@ -43,8 +43,8 @@ def sha256_file(path: Path) -> str:
 
 
 def digest_folder(folder: Path, names: tuple[str, ...]) -> tuple[str, tuple[FileEntry, ...]]:
-    """(version, files): version = sha256 over the files' bytes in `names` order (as in
-    `local_folder.content_version`), and each file's own sha256 and size. One read per file."""
+    """(version, files): version = sha256 over the files' bytes in `names` order, and each
+    file's own sha256 and size. One read per file."""
     version = hashlib.sha256()
     entries = []
     for name in names:
