@@ -39,6 +39,21 @@ def _device_info(device: torch.device) -> tuple[str, int, bool]:
     return _device_facts(device.index if device.index is not None else 0)
 
 
+def _sorted_units(
+    num_pairs: int, block_m: int, em: int, blocks: int, lora_dim: int, slots: int, experts: int
+) -> int:
+    """Programs for the sorted form: a bound on the blocks present, from shapes alone.
+
+    Slot l's pairs n_l fall in e_l expert groups, each padded to a multiple of block_m, so it has
+    fewer than n_l / block_m + e_l blocks; summed, fewer than P / block_m + slots x groups. The
+    group count is bounded by the experts vLLM's align op sorted by, read off the padded length
+    em = P + E x (block_m - 1) (more experts than ours under expert parallelism).
+    """
+    groups = max(experts, -(-(em - num_pairs) // max(block_m - 1, 1)))
+    bound = -(-num_pairs // block_m) + min(lora_dim, slots) * min(groups, num_pairs)
+    return min(lora_dim * blocks, bound)
+
+
 def _check(
     output: torch.Tensor,
     x: torch.Tensor,
@@ -136,12 +151,13 @@ def fused_moe_lora(
         num_m_blocks = expert_ids.shape[1]
         em = sorted_token_ids.shape[1]
         lora_dim = min(int(num_active_loras.reshape(-1)[0]), lora_ids.numel())
-        num_units = lora_dim * num_m_blocks
+        num_units = _sorted_units(num_pairs, block_m, em, num_m_blocks, lora_dim, num_slots,
+                                  num_experts)  # fmt: skip
         stride_sl, stride_el = sorted_token_ids.stride(0), expert_ids.stride(0)
         sorted_arg, ntpp_arg = sorted_token_ids, num_tokens_post_padded
     else:
         block_m, num_m_blocks, em, num_units = NAIVE_BLOCK_M, num_pairs, num_pairs, num_pairs
-        stride_sl = stride_el = 0
+        stride_sl = stride_el = lora_dim = 0
         # Never dereferenced in the naive form; any int32 tensor stands in for the pointers.
         sorted_arg = ntpp_arg = expert_ids
     if num_units == 0 or n == 0:
@@ -155,7 +171,8 @@ def fused_moe_lora(
     a1 = lora_a[-1]
     b1 = lora_b[-1]
     routing = (sorted_arg, expert_ids, ntpp_arg, token_lora_mapping, lora_ids, adapter_enabled)
-    lengths = (num_pairs, top_k_num, num_m_blocks, em, num_units, num_slots)
+    lengths = (num_pairs, top_k_num, num_m_blocks, em, num_units, lora_dim, num_slots)
+    lora_pad = max(2, triton.next_power_of_2(lora_ids.numel()))
     token_factor = 1 if mul_routed_weight else top_k_num
     if config.variant == "fused":
         grid = (num_units * config.npid, len(lora_a))
@@ -163,9 +180,9 @@ def fused_moe_lora(
             x, a0, a1, b0, b1, out2d, topk_weights, *routing, k, n, *lengths, offset,
             x.stride(0), x.stride(1), *a0.stride(), *b0.stride(), *out2d.stride(),
             stride_sl, stride_el,
-            TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, BLOCK_R=block_r,
-            RANK=rank, BLOCK_K=config.block_k, BLOCK_N=config.block_n, NPID=config.npid,
-            EVEN_K=k % config.block_k == 0, MUL_ROUTED_WEIGHT=mul_routed_weight,
+            TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
+            BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
+            NPID=config.npid, EVEN_K=k % config.block_k == 0, MUL_ROUTED_WEIGHT=mul_routed_weight,
             ADD_INPUTS=add_inputs, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
         return
@@ -178,8 +195,8 @@ def fused_moe_lora(
     kt.shrink_kernel[(num_units, len(lora_a), split)](
         x, a0, a1, ws, *routing, k, *lengths,
         x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
-        TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, BLOCK_R=block_r,
-        RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
+        TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
+        BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
         EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -187,8 +204,8 @@ def fused_moe_lora(
     kt.expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](
         ws, b0, b1, out2d, topk_weights, *routing, n, *lengths, offset,
         *b0.stride(), *out2d.stride(), stride_sl, stride_el,
-        SORTED=sorted_form, BLOCK_M=block_m, BLOCK_R=block_r, RANK=rank,
+        SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad, BLOCK_R=block_r, RANK=rank,
         BLOCK_N=config.block_n, SPLIT_K=split, WS_ROWS=ws_rows,
         MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
-        num_warps=4, num_stages=2, **pdl_kwargs,
+        num_warps=config.num_warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip

@@ -22,7 +22,34 @@ Lengths that change with the batch are `do_not_specialize`, so a new batch size 
 import triton
 import triton.language as tl
 
-_BATCH_ARGS = ["num_pairs", "num_m_blocks", "em", "num_units", "stride_sl", "stride_el"]
+_BATCH_ARGS = [
+    "num_pairs", "num_m_blocks", "em", "num_units", "lora_dim", "stride_sl", "stride_el"
+]  # fmt: skip
+
+
+@triton.jit
+def _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim, max_loras, num_m_blocks,
+                 BLOCK_M: tl.constexpr, LORA_PAD: tl.constexpr):  # fmt: skip
+    """Map a compact unit index onto (slot, block, valid) in the sorted form (block 0 if not).
+
+    Units enumerate only the blocks actually present: slot i's blocks, cdiv(used_i, BLOCK_M),
+    follow slot i - 1's. vLLM's grid walks every slot x every possible block instead, most of it
+    padding (at 16 x 1600 tokens, 30k programs for 4.4k real blocks).
+    """
+    offs = tl.arange(0, LORA_PAD)
+    slots = tl.load(lora_ids_ptr + offs, mask=offs < lora_dim, other=-1)
+    ok = (slots >= 0) & (slots < max_loras)
+    slots = tl.where(ok, slots, 0)
+    ok = ok & (tl.load(enabled_ptr + slots, mask=ok, other=0) != 0)
+    used = tl.load(ntpp_ptr + slots, mask=ok, other=0)
+    blocks = tl.where(ok, tl.minimum(tl.cdiv(used, BLOCK_M), num_m_blocks), 0)
+    ends = tl.cumsum(blocks, 0)
+    idx = tl.sum((ends <= unit).to(tl.int32), 0)
+    mine = offs == idx
+    slot = tl.sum(tl.where(mine, slots, 0), 0)
+    valid = idx < LORA_PAD
+    blk = tl.where(valid, unit - tl.sum(tl.where(mine, ends - blocks, 0), 0), 0)
+    return slot, blk, valid
 
 
 @triton.jit
@@ -38,29 +65,27 @@ def _resolve_unit(
     top_k,
     num_m_blocks,
     em,
+    lora_dim,
     max_loras,
     stride_sl,
     stride_el,
     SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    LORA_PAD: tl.constexpr,
 ):
     """(slot, expert, flat pair ids (BLOCK_M,), valid 0/1) of a unit; ids >= num_pairs pad."""
     offs = tl.arange(0, BLOCK_M)
     if SORTED:
-        blk = unit % num_m_blocks
-        slot = tl.load(lora_ids_ptr + unit // num_m_blocks)
-    else:
-        blk = unit
-        slot = tl.load(tlm_ptr + unit // top_k)
-    valid = (slot >= 0) & (slot < max_loras)
-    slot = tl.where(valid, slot, 0)
-    valid = valid & (tl.load(enabled_ptr + slot) != 0)
-    if SORTED:
-        valid = valid & (blk * BLOCK_M < tl.load(ntpp_ptr + slot))
+        slot, blk, valid = _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim,
+                                        max_loras, num_m_blocks, BLOCK_M, LORA_PAD)  # fmt: skip
         expert = tl.load(expert_ids_ptr + slot * stride_el + blk)
         pos = blk * BLOCK_M + offs
         tokens = tl.load(sorted_ptr + slot * stride_sl + pos, mask=pos < em, other=num_pairs)
     else:
+        slot = tl.load(tlm_ptr + unit // top_k)
+        valid = (slot >= 0) & (slot < max_loras)
+        slot = tl.where(valid, slot, 0)
+        valid = valid & (tl.load(enabled_ptr + slot) != 0)
         expert = tl.load(expert_ids_ptr + unit)
         tokens = tl.where(offs == 0, unit, num_pairs)
     valid = valid & (expert >= 0)
@@ -170,6 +195,7 @@ def shrink_kernel(
     num_m_blocks,
     em,
     num_units,
+    lora_dim,
     max_loras,
     stride_xm,
     stride_xk,
@@ -182,6 +208,7 @@ def shrink_kernel(
     TOKEN_FACTOR: tl.constexpr,
     SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    LORA_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     RANK: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -198,7 +225,8 @@ def shrink_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     slot, expert, tokens, valid = _resolve_unit(
         unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
-        num_pairs, top_k, num_m_blocks, em, max_loras, stride_sl, stride_el, SORTED, BLOCK_M,
+        num_pairs, top_k, num_m_blocks, em, lora_dim, max_loras, stride_sl, stride_el, SORTED,
+        BLOCK_M, LORA_PAD,
     )  # fmt: skip
     if valid == 0:
         return
@@ -215,7 +243,7 @@ def shrink_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     cell = ((s * num_units + unit).to(tl.int64) * SPLIT_K + ks) * (WS_ROWS * BLOCK_R)
     ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
-    tl.store(ptrs, acc, mask=(offs_m < WS_ROWS)[:, None])
+    tl.store(ptrs, acc, mask=((offs_m < WS_ROWS) & tmask)[:, None])
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -237,6 +265,7 @@ def expand_kernel(
     num_m_blocks,
     em,
     num_units,
+    lora_dim,
     max_loras,
     col_offset,
     stride_bl,
@@ -249,6 +278,7 @@ def expand_kernel(
     stride_el,
     SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    LORA_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     RANK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -264,7 +294,8 @@ def expand_kernel(
     s = tl.program_id(2)
     slot, expert, tokens, valid = _resolve_unit(
         unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
-        num_pairs, top_k, num_m_blocks, em, max_loras, stride_sl, stride_el, SORTED, BLOCK_M,
+        num_pairs, top_k, num_m_blocks, em, lora_dim, max_loras, stride_sl, stride_el, SORTED,
+        BLOCK_M, LORA_PAD,
     )  # fmt: skip
     if valid == 0:
         return
@@ -277,14 +308,17 @@ def expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     cell = (s * num_units + unit).to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
-    rows_mask = (offs_m < WS_ROWS)[:, None]
+    # Only rows of real pairs: sorted decode blocks hold one or two pairs in BLOCK_M rows, and
+    # reading the padding rows would cost more than B itself.
+    tmask = tokens < num_pairs
+    rows_mask = ((offs_m < WS_ROWS) & tmask)[:, None]
     tmp = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for _ks in tl.static_range(SPLIT_K):
         tmp += tl.load(ptrs, mask=rows_mask, other=0.0)
         ptrs += WS_ROWS * BLOCK_R
     acc = tl.dot(tmp.to(b.dtype), b)
     _add_into_output(
-        acc, tokens, tokens < num_pairs, offs_n, N, col_offset + s * N, out_ptr, topk_w_ptr,
+        acc, tokens, tmask, offs_n, N, col_offset + s * N, out_ptr, topk_w_ptr,
         stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
     )  # fmt: skip
 
@@ -311,6 +345,7 @@ def fused_kernel(
     num_m_blocks,
     em,
     num_units,
+    lora_dim,
     max_loras,
     col_offset,
     stride_xm,
@@ -330,6 +365,7 @@ def fused_kernel(
     TOKEN_FACTOR: tl.constexpr,
     SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    LORA_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     RANK: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -346,7 +382,8 @@ def fused_kernel(
     s = tl.program_id(1)
     slot, expert, tokens, valid = _resolve_unit(
         unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
-        num_pairs, top_k, num_m_blocks, em, max_loras, stride_sl, stride_el, SORTED, BLOCK_M,
+        num_pairs, top_k, num_m_blocks, em, lora_dim, max_loras, stride_sl, stride_el, SORTED,
+        BLOCK_M, LORA_PAD,
     )  # fmt: skip
     if valid == 0:
         return

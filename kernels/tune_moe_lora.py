@@ -30,14 +30,13 @@ from .moe_lora_workload import (
     time_per_call,
 )
 
-# A split workspace of units x split x rows x rank fp32 grows with the batch; past this many
-# pairs the fused kernel has enough programs anyway.
-SPLIT_MAX_PAIRS = 8192
+# The split variant's fp32 workspace (slices x units x split x rows x rank) must stay modest.
+WORKSPACE_MAX_BYTES = 512 * 2**20
 
 
 def candidates(k: int, num_pairs: int) -> list[MoeLoraConfig]:
-    """A short list (each candidate is a compile per shape): the fused kernel with narrow and wide
-    N tiles, split over N, more warps; the split kernels with 2 to 16 K ranges."""
+    """A short list (each candidate costs a compile per shape): the fused kernel with narrow and
+    wide N tiles, split over N, more warps; the split kernels with 1 to 16 K ranges."""
     bk = 128 if k >= 256 else 64
     out = [
         MoeLoraConfig("fused", bk, 128),
@@ -45,8 +44,13 @@ def candidates(k: int, num_pairs: int) -> list[MoeLoraConfig]:
         MoeLoraConfig("fused", bk, 128, npid=4),
         MoeLoraConfig("fused", bk, 128, num_warps=8),
     ]
-    if num_pairs <= SPLIT_MAX_PAIRS:
-        out += [MoeLoraConfig("split", bk, 64, split_k=s) for s in (2, 4, 8, 16) if s * bk <= k]
+    splits = [s for s in (1, 2, 4, 8, 16) if s * bk <= k]
+    if num_pairs * 32 * 2 * 4 * max(splits) > WORKSPACE_MAX_BYTES:
+        splits = [1]
+    for split in splits:
+        out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
+    if splits == [1]:
+        out.append(MoeLoraConfig("split", bk, 128, num_warps=8))
     return out
 
 

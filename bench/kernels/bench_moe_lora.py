@@ -26,7 +26,7 @@ from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
 from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
 from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
-from loraplex.kernels.moe_lora_configs import ShapeKey, lookup
+from loraplex.kernels.moe_lora_configs import ShapeKey, lookup, write_configs
 from loraplex.kernels.moe_lora_op import fused_moe_lora
 from loraplex.kernels.moe_lora_workload import (
     BATCHES,
@@ -40,6 +40,7 @@ from loraplex.kernels.moe_lora_workload import (
     sets_needed,
     time_per_call,
 )
+from loraplex.kernels.tune_moe_lora import candidates, tune_point
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "NUM_WARPS",
                "NUM_STAGES", "SPLIT_K")  # fmt: skip
@@ -120,7 +121,20 @@ def bench_point(
         for i in range(1, sets_needed(nbytes))
     ]  # fmt: skip
     args = [s for s, _ in sets]
-    ours = [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m) for a in args]
+    sorted_form = not naive_form(shape, tokens, ns.adapters)
+    key = ShapeKey(spec.k, spec.n, spec.slices, ns.rank, shape.experts, shape.top_k, sorted_form,
+                   str(ns.dtype))  # fmt: skip
+    num_pairs = tokens * shape.top_k
+    if ns.tune:
+        cfg, _ = tune_point(args, candidates(spec.k, num_pairs), block_m)
+        ns.tuned.setdefault(key.text(), {})[num_pairs] = cfg
+    else:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        cfg = lookup(torch.cuda.get_device_name(), key, num_pairs, sms)
+    ours = [
+        functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m, config=cfg)
+        for a in args
+    ]
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in args]
     before = args[0]["output"].clone()
     theirs[0]()
@@ -131,11 +145,6 @@ def bench_point(
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
     vllm_us, ours_us = time_per_call(theirs), time_per_call(ours)
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
-    sorted_form = not naive_form(shape, tokens, ns.adapters)
-    key = ShapeKey(spec.k, spec.n, spec.slices, ns.rank, shape.experts, shape.top_k, sorted_form,
-                   str(ns.dtype))  # fmt: skip
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = lookup(torch.cuda.get_device_name(), key, tokens * shape.top_k, sms)
     return {
         "shape": shape.name, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
@@ -154,7 +163,9 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--tune", action="store_true", help="tune our op on these inputs first")
     ns = parser.parse_args()
+    ns.tuned = {}  # shape key -> num pairs -> MoeLoraConfig
     ns.dtype = torch.bfloat16
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
@@ -176,6 +187,8 @@ def main() -> None:
                       f"err {row['rel_err_vs_vllm']:.1e}", flush=True)  # fmt: skip
             del weights
             torch.cuda.empty_cache()
+    if ns.tune:
+        print("wrote", write_configs(gpu, ns.tuned))
     ns.out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in gpu).lower()
     (ns.out / f"moe_lora_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
