@@ -14,7 +14,8 @@ import pytest
 from moto.server import ThreadedMotoServer
 from registry_builders import write_base_model
 from registry_rig import Rig
-from s3_fault_proxy import FaultProxy
+
+from tests.support.s3_fault_proxy import FaultProxy
 
 
 def _free_port() -> int:

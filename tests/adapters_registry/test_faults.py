@@ -12,10 +12,10 @@ import time
 
 import pytest
 from registry_rig import Rig, metric
-from s3_fault_proxy import FaultProxy
 
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
+from tests.support.s3_fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from s3_fault_proxy import FaultProxy
 
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.s3_store import S3Store
@@ -18,6 +17,7 @@ from loraplex.adapters_registry.store import (
     ObjectStore,
     StoreUnavailable,
 )
+from tests.support.s3_fault_proxy import FaultProxy
 
 
 def s3_settings(endpoint: str, **overrides: object) -> RegistrySettings:

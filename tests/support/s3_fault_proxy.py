@@ -22,6 +22,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client hanging up mid-body (a killed server under test) is expected here."""
+
+
 class FaultProxy:
     def __init__(self, upstream_host: str, upstream_port: int, match: str = "blobs/") -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -30,7 +35,7 @@ class FaultProxy:
         self._faults: list[tuple[str, int, str]] = []
         self.rate: float | None = None
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
