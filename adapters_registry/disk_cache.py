@@ -120,6 +120,10 @@ class DiskCache:
             self._index.move_to_end(version)
         return self.path(version)
 
+    def contains(self, version: str) -> bool:
+        """Whether `version` is cached (does not count as a use)."""
+        return version in self._index
+
     def cached(self) -> set[str]:
         with self._lock:
             return set(self._index)

@@ -234,6 +234,6 @@ class AdapterRegistry:
         tier = self.tiers.tier(record.engine_id)
         if tier in (EngineTier.GPU, EngineTier.CPU):
             return tier.value
-        if record.version in self.cache.cached():
+        if self.cache.contains(record.version):
             return "disk"
         return "store"

@@ -12,7 +12,7 @@ import pytest
 from registry_fake_engine import FakeEngine
 from registry_rig import Rig, metric
 
-from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.base import AdapterConflict, AdapterInvalid, AdapterNotFound
 
 pytestmark = pytest.mark.anyio
 
@@ -130,3 +130,31 @@ async def test_pickle_only_and_missing_sources(rig: Rig) -> None:
     with pytest.raises(AdapterInvalid, match=r"'\.\.'"):
         await reg.register("a/../b", rig.source("x"))
     assert reg.names() == []
+
+
+async def test_pin_unpin_evict_tiers(rig: Rig) -> None:
+    engine = FakeEngine()
+    reg = await rig.registry("a", engine)
+    info = await reg.register("bot", rig.source("bot"), pinned=True)
+    assert info.pinned and info.tier == "gpu" and engine.pinned == {info.engine_id}
+    with pytest.raises(AdapterConflict, match="unpin it"):
+        await reg.evict("bot", "cpu")
+    unpinned = await reg.set_pinned("bot", False)
+    assert not unpinned.pinned and unpinned.tier == "cpu" and engine.pinned == set()
+    assert (await reg.evict("bot", "cpu")).tier == "disk" and engine.loaded == {}
+    assert (await reg.evict("bot", "disk")).tier == "store"
+    async with reg.lease("bot") as adapter:  # back from the store on the next request
+        assert (adapter.path / "adapter_model.safetensors").is_file()
+    assert reg.info("bot").tier == "cpu"
+
+
+async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
+    a, b_engine = await rig.registry("a"), FakeEngine()
+    b = await rig.registry("b", b_engine)
+    info = await a.register("bot", rig.source("bot"))
+    await a.set_pinned("bot", True)
+    await b.refresh()
+    assert b.info("bot").tier == "gpu" and b_engine.pinned == {info.engine_id}
+    await a.set_pinned("bot", False)
+    await b.refresh()
+    assert b.info("bot").tier == "cpu" and b_engine.pinned == set()
