@@ -32,7 +32,9 @@ class ServerProcess:
                  log_path: Path | None = None) -> None:
         self.port = free_port()
         self.env = {**os.environ, **(env or {})}
-        self.args = args or []
+        self.command = [sys.executable, "-m", "loraplex.server.cli", "serve",
+                        "--port", str(self.port), *(args or [])]
+        self.ready_path = "/ready"
         self.log_path = log_path or Path(f"/tmp/loraplex-test-server-{self.port}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -43,8 +45,7 @@ class ServerProcess:
     def start(self, timeout: float = 300.0) -> ServerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.server.cli", "serve", "--port", str(self.port),
-             *self.args],
+            self.command,
             env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             start_new_session=True,  # so kill() reaches vLLM's engine-core child too
         )
@@ -53,7 +54,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.base_url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.base_url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
