@@ -27,29 +27,60 @@ def vllm_server(model_dir: Path, name: str) -> ServerProcess:
     """vLLM's own OpenAI server, started like ServerProcess starts loraplex."""
     server = ServerProcess(env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     server.command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", name, "--host", "127.0.0.1", "--port", str(server.port),
-        "--enable-lora", *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+        "--enable-lora",
+        *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()),
     ]
     server.ready_path = "/health"
     return server
 
 
-def run_client(server: ServerProcess, name: str, model_dir: Path, args: argparse.Namespace
-               ) -> dict[str, Any]:
+def run_client(
+    server: ServerProcess, name: str, model_dir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     serve.add_cli_args(parser)
-    client_args = parser.parse_args([
-        "--backend", "openai-chat", "--base-url", server.base_url,
-        "--endpoint", "/v1/chat/completions", "--dataset-name", "random",
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--max-concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
-        "--model", name, "--tokenizer", str(model_dir), "--ignore-eos", "--disable-tqdm",
-        "--seed", str(args.seed),
-    ])
+    client_args = parser.parse_args(
+        [
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            server.base_url,
+            "--endpoint",
+            "/v1/chat/completions",
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--max-concurrency",
+            str(args.concurrency),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--model",
+            name,
+            "--tokenizer",
+            str(model_dir),
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--seed",
+            str(args.seed),
+        ]
+    )
     result = serve.main(client_args)
     return {
         "output_throughput": result["output_throughput"],
@@ -73,8 +104,9 @@ def main() -> None:
     from loraplex.server.settings import default_cache_dir
 
     model_dir = ensure_demo_model(default_cache_dir())
-    ours = ServerProcess(env={f"LORAPLEX_ENGINE__{k.upper()}": str(v)
-                              for k, v in ENGINE_FLAGS.items()})
+    ours = ServerProcess(
+        env={f"LORAPLEX_ENGINE__{k.upper()}": str(v) for k, v in ENGINE_FLAGS.items()}
+    )
     theirs = vllm_server(model_dir, DEMO_MODEL_NAME)
     runs: dict[str, list[dict[str, Any]]] = {"loraplex": [], "vllm": []}
     try:
@@ -94,12 +126,20 @@ def main() -> None:
     ttft_delta = median("loraplex", "median_ttft_ms") - median("vllm", "median_ttft_ms")
     print(f"\n{'server':<10}{'out tok/s (median)':>20}{'TTFT p50 ms':>14}{'TPOT p50 ms':>14}")
     for label in runs:
-        print(f"{label:<10}{median(label, 'output_throughput'):>20.1f}"
-              f"{median(label, 'median_ttft_ms'):>14.1f}{median(label, 'median_tpot_ms'):>14.2f}")
+        print(
+            f"{label:<10}{median(label, 'output_throughput'):>20.1f}"
+            f"{median(label, 'median_ttft_ms'):>14.1f}{median(label, 'median_tpot_ms'):>14.2f}"
+        )
     print(f"\nthroughput ratio loraplex/vLLM: {ratio:.3f}   (target >= 0.97)")
     print(f"median TTFT difference: {ttft_delta:+.1f} ms   (target <= +5 ms)")
-    row = {**stamp(), "bench": "serve_vs_vllm", "config": vars(args) | ENGINE_FLAGS,
-           "runs": runs, "throughput_ratio": ratio, "ttft_delta_ms": ttft_delta}
+    row = {
+        **stamp(),
+        "bench": "serve_vs_vllm",
+        "config": vars(args) | ENGINE_FLAGS,
+        "runs": runs,
+        "throughput_ratio": ratio,
+        "ttft_delta_ms": ttft_delta,
+    }
     print("wrote", append_rows("serve_vs_vllm", [row]))
 
 

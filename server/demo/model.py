@@ -59,7 +59,7 @@ def ensure_demo_model(cache_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             source.parent, gguf_file=source.name, dtype=torch.bfloat16
         )
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # saves as a plain model
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.architectures = ["LlamaForCausalLM"]

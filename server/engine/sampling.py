@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -23,7 +23,7 @@ def to_sampling_params(
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
-    optional = {
+    optional: dict[str, Any] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
         "top_k": request.top_k,

@@ -1,6 +1,7 @@
 """An adapter served by loraplex computes what PEFT computes: the same greedy tokens as the base
 model with the adapter merged through transformers + PEFT (compared as the text of the first 10
-tokens, which implies the first 8 agree) for several prompts; and each adapter's output differs from the base model's."""
+tokens, which implies the first 8 agree) for several prompts; and each adapter's output differs
+from the base model's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ NEW_TOKENS = 10
 def _prompt_ids(tokenizer: AutoTokenizer, question: str) -> list[int]:
     return list(
         tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": question}], add_generation_prompt=True,
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
             return_dict=True,
         )["input_ids"]
     )
@@ -43,10 +45,12 @@ def _reference_tokens(adapter: str | None, prompts: list[list[int]]) -> list[lis
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
                 do_sample=False,
             )
-            outputs.append(out[0, len(ids):].tolist())
+            outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
@@ -54,10 +58,17 @@ def _served_texts(url: str, model: str, prompts: list[list[int]]) -> list[str]:
     """Greedy completions from loraplex for prompts given as token ids (no re-tokenization)."""
     texts = []
     for ids in prompts:
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
-            "temperature": 0,
-        })
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "prompt": ids,
+                "max_tokens": NEW_TOKENS,
+                "min_tokens": NEW_TOKENS,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         texts.append(r.json()["choices"][0]["text"])
     return texts

@@ -36,9 +36,7 @@ def aclient(embedded_server: ServerProcess) -> openai.AsyncOpenAI:
 def tokenizer(embedded_server: ServerProcess) -> object:
     from pathlib import Path
 
-    return AutoTokenizer.from_pretrained(
-        Path.home() / ".cache" / "loraplex" / "models" / BASE
-    )
+    return AutoTokenizer.from_pretrained(Path.home() / ".cache" / "loraplex" / "models" / BASE)
 
 
 def test_models_lists_base_and_adapters(client: openai.OpenAI) -> None:
@@ -75,7 +73,11 @@ def test_chat_stream_matches_whole_and_reports_usage(client: openai.OpenAI) -> N
     )
     chunks = list(
         client.chat.completions.create(
-            model=ADAPTERS[0], messages=QUESTION, temperature=0, max_tokens=16, stream=True,
+            model=ADAPTERS[0],
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -132,13 +134,20 @@ def test_sampling_fields_take_effect(client: openai.OpenAI) -> None:
     seeded = [
         client.chat.completions.create(
             model=BASE, messages=QUESTION, temperature=1.0, top_p=0.9, seed=7, max_tokens=12
-        ).choices[0].message.content
+        )
+        .choices[0]
+        .message.content
         for _ in range(2)
     ]
     assert seeded[0] == seeded[1]
     two = client.chat.completions.create(
-        model=BASE, messages=QUESTION, n=2, temperature=1.0, max_tokens=6,
-        presence_penalty=0.5, frequency_penalty=0.5,
+        model=BASE,
+        messages=QUESTION,
+        n=2,
+        temperature=1.0,
+        max_tokens=6,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
     )
     assert sorted(c.index for c in two.choices) == [0, 1]
     assert two.usage.completion_tokens == 12
@@ -214,7 +223,8 @@ def test_prompt_longer_than_context_is_400(client: openai.OpenAI) -> None:
 def test_malformed_json_is_400_envelope(embedded_server: ServerProcess) -> None:
     r = httpx.post(
         embedded_server.base_url + "/v1/chat/completions",
-        content=b"{not json", headers={"content-type": "application/json"},
+        content=b"{not json",
+        headers={"content-type": "application/json"},
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
@@ -225,7 +235,11 @@ def test_overload_is_503(embedded_server: ServerProcess, aclient: openai.AsyncOp
     async def long_request() -> int:
         try:
             stream = await aclient.completions.create(
-                model=BASE, prompt="Count:", max_tokens=300, temperature=0, stream=True,
+                model=BASE,
+                prompt="Count:",
+                max_tokens=300,
+                temperature=0,
+                stream=True,
                 extra_body={"ignore_eos": True},
             )
             async for _ in stream:
@@ -244,10 +258,17 @@ def test_overload_is_503(embedded_server: ServerProcess, aclient: openai.AsyncOp
 
 def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess) -> None:
     url = embedded_server.base_url
-    body = {"model": BASE, "prompt": "Count:", "max_tokens": 1000, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/completions",
-                                                      json=body) as r:
+    body = {
+        "model": BASE,
+        "prompt": "Count:",
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", url + "/v1/completions", json=body) as r,
+    ):
         lines = r.iter_lines()
         seen = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in seen)
@@ -260,8 +281,9 @@ def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess)
         asyncio.run(asyncio.sleep(0.1))
     assert health["engine"]["unfinished_requests"] == 0 and health["in_flight"] == 0
     assert _vllm_gauge(url, "vllm:num_requests_running") == 0
-    after = httpx.post(url + "/v1/completions", json={"model": BASE, "prompt": "Hi",
-                                                      "max_tokens": 3}).json()
+    after = httpx.post(
+        url + "/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 3}
+    ).json()
     assert after["usage"]["completion_tokens"] == 3
 
 

@@ -28,12 +28,23 @@ def free_port() -> int:
 class ServerProcess:
     """One `loraplex serve` process. `env` adds LORAPLEX_* settings to the inherited environment."""
 
-    def __init__(self, env: dict[str, str] | None = None, args: list[str] | None = None,
-                 log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
         self.port = free_port()
         self.env = {**os.environ, **(env or {})}
-        self.command = [sys.executable, "-m", "loraplex.server.cli", "serve",
-                        "--port", str(self.port), *(args or [])]
+        self.command = [
+            sys.executable,
+            "-m",
+            "loraplex.server.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            *(args or []),
+        ]
         self.ready_path = "/ready"
         self.log_path = log_path or Path(f"/tmp/loraplex-test-server-{self.port}.log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -46,7 +57,10 @@ class ServerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             self.command,
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
             start_new_session=True,  # so kill() reaches vLLM's engine-core child too
         )
         deadline = time.monotonic() + timeout
