@@ -11,6 +11,7 @@ SafetensorsDtype = Literal["F16", "BF16", "F32"]
 
 
 class RegistrySettings(BaseModel):
+    model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
     local_dir: Path | None = Field(
         default=None,
         description=(

@@ -35,6 +35,8 @@ def default_cache_dir() -> Path:
 class EngineSettings(BaseModel):
     """How vLLM's AsyncLLM is built. Field names follow vLLM's engine arguments where they exist."""
 
+    model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
+
     model: Path | None = Field(
         None, description="Hugging Face model directory to serve; unset serves the embedded demo."
     )
@@ -75,6 +77,7 @@ class EngineSettings(BaseModel):
 
 
 class HttpSettings(BaseModel):
+    model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"

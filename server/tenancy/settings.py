@@ -19,6 +19,8 @@ DEFAULT_TENANT_ID = "default"
 class Quotas(BaseModel):
     """Per-tenant limits; 0 means unlimited. Exceeding one answers 429 with Retry-After."""
 
+    model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
+
     max_concurrent: int = Field(
         default=0, ge=0, description="Requests of the tenant in flight at once."
     )
@@ -51,6 +53,7 @@ class TenantConfig(BaseModel):
 
 
 class TenancySettings(BaseModel):
+    model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
     tenants: list[TenantConfig] = Field(
         default_factory=list,
         description="Tenants from the config file. With none (and none in the store), one open "

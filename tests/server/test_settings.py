@@ -1,0 +1,70 @@
+"""Settings are validated once at start, with messages that name the field and the bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.server.settings import CONFIG_FILE_ENV, ConfigError, load_settings
+
+
+def test_defaults_are_valid() -> None:
+    settings = load_settings()
+    assert settings.engine.max_cpu_loras >= settings.engine.max_loras
+    assert settings.engine.model is None  # the embedded default
+
+
+def test_cross_field_error_prints_both_values() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(engine={"max_loras": 8, "max_cpu_loras": 4})
+    assert "engine.max_cpu_loras (4) must be >= engine.max_loras (8)" in str(e.value)
+
+
+def test_bound_violation_names_field_and_bound() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(engine={"max_lora_rank": 0})
+    message = str(e.value)
+    assert "engine.max_lora_rank" in message and "greater than or equal to 1" in message
+
+
+def test_environment_variables_fill_nested_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_ENGINE__MAX_LORAS", "3")
+    monkeypatch.setenv("LORAPLEX_HTTP__PORT", "9001")
+    settings = load_settings()
+    assert settings.engine.max_loras == 3 and settings.http.port == 9001
+
+
+def test_environment_variable_with_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_HTTP__PORT", "70000")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert "http.port" in str(e.value) and "65535" in str(e.value)
+
+
+def test_config_file_and_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "loraplex.yaml"
+    config.write_text("engine:\n  max_loras: 2\n  max_model_len: 1024\nhttp:\n  port: 8100\n")
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(config))
+    monkeypatch.setenv("LORAPLEX_HTTP__PORT", "8200")
+    settings = load_settings()
+    assert settings.engine.max_loras == 2 and settings.engine.max_model_len == 1024
+    assert settings.http.port == 8200  # the environment beats the file
+
+
+def test_unknown_key_in_config_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "loraplex.yaml"
+    config.write_text("engine:\n  max_lorass: 2\n")
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(config))
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert "engine.max_lorass" in str(e.value)
+
+
+def test_missing_config_file_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONFIG_FILE_ENV, "/nonexistent/loraplex.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert CONFIG_FILE_ENV in str(e.value)
