@@ -208,10 +208,12 @@ def test_s3_failure_is_a_503_naming_the_adapter(cluster: Cluster) -> None:
     assert chat(b, "flaky-bot").status_code == 200
 
 
-async def _stream(base_url: str, model: str, tokens: int) -> list[float]:
-    """Arrival times of every streamed chunk with content."""
+async def _stream(
+    base_url: str, model: str, tokens: int, times: list[float] | None = None
+) -> list[float]:
+    """Arrival times of every streamed chunk with content (appended to `times` as they come)."""
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="none")
-    times: list[float] = []
+    times = [] if times is None else times
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
         max_tokens=tokens, temperature=0, stream=True,
@@ -232,6 +234,29 @@ def _p99(xs: list[float]) -> float:
     return sorted(xs)[int(len(xs) * 0.99)]
 
 
+def test_versions_rollback_pin_and_evict_over_http(cluster: Cluster) -> None:
+    a = cluster.a
+    v1 = register(a, "ver-bot", cluster.source("ver1", 17)).json()
+    v2 = register(a, "ver-bot", cluster.source("ver2", 18)).json()
+    assert v2["version"] != v1["version"] and v2["engine_id"] != v1["engine_id"]
+    assert v2["previous_versions"] == [v1["version"]]
+    pinned_old = chat(a, f"ver-bot@{v1['version'][:12]}")
+    assert pinned_old.status_code == 200, pinned_old.text
+    back = admin(a, "POST", "/ver-bot/rollback")
+    assert back.status_code == 200 and back.json()["version"] == v1["version"]
+    again = admin(a, "POST", "/ver-bot/rollback")
+    assert again.status_code == 409 and "no earlier version" in again.json()["error"]["message"]
+    pinned = admin(a, "POST", "/ver-bot/pin").json()
+    assert pinned["pinned"] and pinned["tier"] == "gpu"
+    assert admin(a, "POST", "/ver-bot/evict", json={"tier": "cpu"}).status_code == 409
+    assert admin(a, "POST", "/ver-bot/unpin").json()["tier"] == "cpu"
+    evicted = admin(a, "POST", "/ver-bot/evict", json={"tier": "disk"})
+    assert evicted.status_code == 200 and evicted.json()["tier"] == "store"
+    assert admin(a, "POST", "/ver-bot/evict", json={"tier": "gpu"}).status_code == 400
+    assert chat(a, "ver-bot").status_code == 200  # fetched back from the store
+    assert admin(a, "GET", "/ver-bot").json()["tier"] == "cpu"
+
+
 def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) -> None:
     b = cluster.b
     register(cluster.a, "cold-bot", cluster.source("cold", 15))
@@ -245,8 +270,14 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         return await asyncio.gather(*(_stream(b.base_url, m, 160) for m in warm))
 
     async def with_cold() -> tuple[list[list[float]], float, float, float]:
-        streams = asyncio.gather(*(_stream(b.base_url, m, 160) for m in warm))
-        await asyncio.sleep(1.0)
+        live: list[list[float]] = [[] for _ in warm]
+        streams = asyncio.gather(
+            *(_stream(b.base_url, m, 160, live[i]) for i, m in enumerate(warm))
+        )
+        decoding = 0
+        while decoding < 5:  # every stream past its prefill: steady decoding
+            await asyncio.sleep(0.05)
+            decoding = min(len(t) for t in live)
         cold_start = time.perf_counter()
         cold = asyncio.create_task(_stream(b.base_url, "cold-bot", 4))
         async with httpx.AsyncClient(base_url=b.base_url, headers=AUTH) as client:
@@ -259,7 +290,8 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         first_token = (await cold)[0]
         return await streams, cold_start, on_disk, first_token
 
-    base = _itls(asyncio.run(steady()), 0, float("inf"))
+    base_streams = asyncio.run(steady())
+    base = _itls(base_streams, max(t[4] for t in base_streams), float("inf"))
     cluster.proxy.slow(size / 5.0)  # the cold adapter's weights take about 5 s to arrive
     try:
         streams, cold_start, on_disk, first_token = asyncio.run(with_cold())
