@@ -175,15 +175,17 @@ def fused_moe_lora(
     lora_pad = max(2, triton.next_power_of_2(lora_ids.numel()))
     token_factor = 1 if mul_routed_weight else top_k_num
     if config.variant == "fused":
-        grid = (num_units * config.npid, len(lora_a))
-        kt.fused_kernel[grid](
+        fuse_slices = config.fuse_slices and len(lora_a) == 2
+        grid = (num_units * config.npid, 1 if fuse_slices else len(lora_a))
+        kt.moe_lora_fused_kernel[grid](
             x, a0, a1, b0, b1, out2d, topk_weights, *routing, k, n, *lengths, offset,
             x.stride(0), x.stride(1), *a0.stride(), *b0.stride(), *out2d.stride(),
             stride_sl, stride_el,
             TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
             BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
             NPID=config.npid, EVEN_K=k % config.block_k == 0, MUL_ROUTED_WEIGHT=mul_routed_weight,
-            ADD_INPUTS=add_inputs, num_warps=config.num_warps, num_stages=config.num_stages,
+            ADD_INPUTS=add_inputs, FUSE_SLICES=fuse_slices, num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )  # fmt: skip
         return
     ws_rows = block_m if sorted_form else 1
@@ -192,7 +194,7 @@ def fused_moe_lora(
         (len(lora_a), num_units, split, ws_rows, block_r), dtype=torch.float32, device=x.device
     )
     use_pdl = pdl_ok
-    kt.shrink_kernel[(num_units, len(lora_a), split)](
+    kt.moe_lora_shrink_kernel[(num_units, len(lora_a), split)](
         x, a0, a1, ws, *routing, k, *lengths,
         x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
         TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
@@ -201,7 +203,7 @@ def fused_moe_lora(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
-    kt.expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](
+    kt.moe_lora_expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](
         ws, b0, b1, out2d, topk_weights, *routing, n, *lengths, offset,
         *b0.stride(), *out2d.stride(), stride_sl, stride_el,
         SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad, BLOCK_R=block_r, RANK=rank,

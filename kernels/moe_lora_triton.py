@@ -1,20 +1,22 @@
 """Triton bodies of the fused MoE-LoRA op (spec: `moe_lora_reference`; launcher: `moe_lora_op`).
 
 A *unit* is the work one program row owns: in the naive routing form one (token, expert) pair,
-in the sorted form one block of BLOCK_M pairs of one (adapter slot, expert). Every kernel first
-resolves its unit and leaves at once when the unit carries no adapter, no expert or only padding,
-so slots and blocks that are absent cost one load, never a weight read.
+in the sorted form one block of BLOCK_M pairs of one (adapter slot, expert). Sorted units count
+only the blocks present (`_sorted_unit`), and every kernel leaves at once when its unit carries
+no adapter, no expert or only padding, so absent slots cost one load, never a weight read.
 
-Two shapes of work are kept, chosen per shape and batch by the tuned configs:
+Two shapes of work, chosen per shape and batch by the tuned configs:
 
-- split: `shrink_kernel` (grid units x slices x SPLIT_K) writes fp32 partial products x @ A.T of
-  one K range each to a workspace (no atomics, no zeroing: every read cell is written), then
-  `expand_kernel` (grid units x N tiles x slices) sums the partials, multiplies by B and adds into
-  the output. Many small programs keep enough loads in flight at decode batch sizes, where one
-  program per pair would stream all of A alone. With Programmatic Dependent Launch the expand
-  grid starts early, loads its B tile and waits for the shrink only before reading partials.
-- fused: `fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate on chip
-  and walks its N range, for batches that already fill the GPU.
+- split: `moe_lora_shrink_kernel` (grid units x slices x SPLIT_K) writes fp32 partial products
+  x @ A.T of one K range each to a workspace (no atomics, no zeroing: every cell read was
+  written), then `moe_lora_expand_kernel` (grid units x N tiles x slices) sums the partials,
+  multiplies by B and adds into the output. Many small programs keep enough loads in flight at
+  decode sizes, where one program per pair would stream all of A alone. With Programmatic
+  Dependent Launch the expand grid starts early, loads its B tile, and waits for the shrink only
+  before it reads the partials.
+- fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
+  on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one
+  gather of x rows (at prefill the gathered x rows are a third of the traffic).
 
 Lengths that change with the batch are `do_not_specialize`, so a new batch size compiles nothing.
 """
@@ -104,6 +106,7 @@ def _slice_base(ptr0, ptr1, s, slot, expert, stride_l, stride_e):
 def _shrink(
     x_ptr,
     a_base,
+    a2_base,
     rows,
     tmask,
     k_lo,
@@ -118,27 +121,33 @@ def _shrink(
     RANK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TWO: tl.constexpr,
 ):
-    """acc (BLOCK_M, BLOCK_R) fp32 = x[rows, k_lo:k_hi] @ A[:, k_lo:k_hi].T."""
+    """acc (BLOCK_M, BLOCK_R) fp32 = x[rows, k_lo:k_hi] @ A[:, k_lo:k_hi].T; with TWO also acc2
+    for a second A (gate and up) from the same x tiles, which are then gathered once, not twice.
+    """
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < RANK
     safe_r = tl.where(rmask, offs_r, 0)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = a_base + offs_k[:, None] * stride_ak + safe_r[None, :] * stride_ar
+    a_offs = offs_k[:, None] * stride_ak + safe_r[None, :] * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
-            a = tl.load(a_ptrs, mask=rmask[None, :], other=0.0)
+            a_mask = rmask[None, :]
         else:
             kmask = (k + tl.arange(0, BLOCK_K)) < K
             x = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
-        acc += tl.dot(x, a)
+            a_mask = kmask[:, None] & rmask[None, :]
+        acc += tl.dot(x, tl.load(a_base + a_offs, mask=a_mask, other=0.0))
+        if TWO:
+            acc2 += tl.dot(x, tl.load(a2_base + a_offs, mask=a_mask, other=0.0))
         x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
-    return acc
+        a_offs += BLOCK_K * stride_ak
+    return acc, acc2
 
 
 @triton.jit
@@ -178,7 +187,7 @@ def _add_into_output(
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
-def shrink_kernel(
+def moe_lora_shrink_kernel(
     x_ptr,
     a0_ptr,
     a1_ptr,
@@ -235,9 +244,9 @@ def shrink_kernel(
     k_lo = ks * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
     tmask = tokens < num_pairs
-    acc = _shrink(
-        x_ptr, a_base, tokens // TOKEN_FACTOR, tmask, k_lo, k_hi, K,
-        stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K,
+    acc, _ = _shrink(
+        x_ptr, a_base, a_base, tokens // TOKEN_FACTOR, tmask, k_lo, k_hi, K,
+        stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K, False,
     )  # fmt: skip
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -247,7 +256,7 @@ def shrink_kernel(
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
-def expand_kernel(
+def moe_lora_expand_kernel(
     ws_ptr,
     b0_ptr,
     b1_ptr,
@@ -324,7 +333,7 @@ def expand_kernel(
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
-def fused_kernel(
+def moe_lora_fused_kernel(
     x_ptr,
     a0_ptr,
     a1_ptr,
@@ -374,9 +383,10 @@ def fused_kernel(
     EVEN_K: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ADD_INPUTS: tl.constexpr,
+    FUSE_SLICES: tl.constexpr,
 ):
     """One program: tmp = x[rows] @ A.T over all of K on chip, then output (+)= tmp @ B.T over
-    its 1/NPID share of N."""
+    its 1/NPID share of N; with FUSE_SLICES one program does both slices (grid axis 1 is 1)."""
     unit = tl.program_id(0) // NPID
     n_part = tl.program_id(0) % NPID
     s = tl.program_id(1)
@@ -389,19 +399,56 @@ def fused_kernel(
         return
     tmask = tokens < num_pairs
     a_base = _slice_base(a0_ptr, a1_ptr, s, slot, expert, stride_al, stride_ae)
-    acc = _shrink(
-        x_ptr, a_base, tokens // TOKEN_FACTOR, tmask, 0, K, K,
+    a2_base = _slice_base(a0_ptr, a1_ptr, 1, slot, expert, stride_al, stride_ae)
+    acc, acc2 = _shrink(
+        x_ptr, a_base, a2_base, tokens // TOKEN_FACTOR, tmask, 0, K, K,
         stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K,
+        FUSE_SLICES,
     )  # fmt: skip
-    b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
     n_per = tl.cdiv(tl.cdiv(N, NPID), BLOCK_N) * BLOCK_N
     n_lo = n_part * n_per
     n_hi = tl.minimum(n_lo + n_per, N)
+    _expand_range(
+        acc.to(out_ptr.dtype.element_ty), _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl,
+        stride_be), tokens, tmask, n_lo, n_hi, col_offset + s * N, out_ptr, topk_w_ptr, stride_bn,
+        stride_br, stride_om, stride_on, BLOCK_R, RANK, BLOCK_N, MUL_ROUTED_WEIGHT, ADD_INPUTS,
+    )  # fmt: skip
+    if FUSE_SLICES:
+        _expand_range(
+            acc2.to(out_ptr.dtype.element_ty), _slice_base(b0_ptr, b1_ptr, 1, slot, expert,
+            stride_bl, stride_be), tokens, tmask, n_lo, n_hi, col_offset + N, out_ptr, topk_w_ptr,
+            stride_bn, stride_br, stride_om, stride_on, BLOCK_R, RANK, BLOCK_N, MUL_ROUTED_WEIGHT,
+            ADD_INPUTS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _expand_range(
+    tmp,
+    b_base,
+    tokens,
+    tmask,
+    n_lo,
+    n_hi,
+    col0,
+    out_ptr,
+    topk_w_ptr,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    BLOCK_R: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ADD_INPUTS: tl.constexpr,
+):
+    """output[tokens, col0 + n] (+)= tmp @ B[n].T for n in [n_lo, n_hi); tmp (BLOCK_M, BLOCK_R)
+    already in the output dtype (cast once, as vLLM does, not per N tile)."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         b = _load_b(b_base, offs_n, n_hi, stride_bn, stride_br, BLOCK_R, RANK)
-        out = tl.dot(acc.to(b.dtype), b)
         _add_into_output(
-            out, tokens, tmask, offs_n, n_hi, col_offset + s * N, out_ptr, topk_w_ptr,
+            tl.dot(tmp, b), tokens, tmask, offs_n, n_hi, col0, out_ptr, topk_w_ptr,
             stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
         )  # fmt: skip

@@ -34,9 +34,11 @@ from .moe_lora_workload import (
 WORKSPACE_MAX_BYTES = 512 * 2**20
 
 
-def candidates(k: int, num_pairs: int) -> list[MoeLoraConfig]:
-    """A short list (each candidate costs a compile per shape): the fused kernel with narrow and
-    wide N tiles, split over N, more warps; the split kernels with 1 to 16 K ranges."""
+def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
+    """A short list (each candidate costs a compile per shape). Fused: narrow and wide N tiles,
+    N split over programs, more warps, both slices in one program; at prefill sizes also narrower
+    K tiles and fewer stages (less shared memory, more programs per SM). Split: 1 to 16 K ranges.
+    """
     bk = 128 if k >= 256 else 64
     out = [
         MoeLoraConfig("fused", bk, 128),
@@ -44,14 +46,24 @@ def candidates(k: int, num_pairs: int) -> list[MoeLoraConfig]:
         MoeLoraConfig("fused", bk, 128, npid=4),
         MoeLoraConfig("fused", bk, 128, num_warps=8),
     ]
+    if slices == 2:
+        out += [
+            MoeLoraConfig("fused", bk, 128, fuse_slices=True),
+            MoeLoraConfig("fused", bk, 128, num_warps=8, fuse_slices=True),
+        ]
     splits = [s for s in (1, 2, 4, 8, 16) if s * bk <= k]
     if num_pairs * 32 * 2 * 4 * max(splits) > WORKSPACE_MAX_BYTES:
         splits = [1]
+        out += [
+            MoeLoraConfig("fused", 64, 128, fuse_slices=slices == 2),
+            MoeLoraConfig("fused", 64, 128, num_warps=8, fuse_slices=slices == 2),
+            MoeLoraConfig("fused", bk, 128, num_stages=2, fuse_slices=slices == 2),
+            MoeLoraConfig("split", bk, 128, num_warps=8),
+            MoeLoraConfig("split", 64, 128, num_stages=2),
+        ]
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
-    if splits == [1]:
-        out.append(MoeLoraConfig("split", bk, 128, num_warps=8))
-    return out
+    return list(dict.fromkeys(out))
 
 
 def shape_key(
@@ -114,7 +126,8 @@ def main() -> None:
                     for i in range(1, sets_needed(nbytes))
                 ]  # fmt: skip
                 num_pairs = tokens * shape.top_k
-                best, timings = tune_point(sets, candidates(spec.k, num_pairs), block_m)
+                cands = candidates(spec.k, num_pairs, spec.slices)
+                best, timings = tune_point(sets, cands, block_m)
                 sorted_form = not naive_form(shape, tokens, args.adapters)
                 key = shape_key(shape, spec, args.rank, sorted_form, str(dtype)).text()
                 tuned.setdefault(key, {})[num_pairs] = best

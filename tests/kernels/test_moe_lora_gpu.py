@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 
 SPLIT = MoeLoraConfig("split", block_k=128, block_n=64, split_k=4)
 FUSED = MoeLoraConfig("fused", block_k=128, block_n=128, npid=2)
+FUSED_SLICES = MoeLoraConfig("fused", block_k=64, block_n=128, fuse_slices=True, num_warps=8)
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = 2e-2  # bf16 operands: 1e-3 to 1e-2 relative (METHOD.md)
 
@@ -57,7 +58,9 @@ SORTED = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("config", [SPLIT, FUSED, None], ids=["split", "fused", "lookup"])
+@pytest.mark.parametrize(
+    "config", [SPLIT, FUSED, FUSED_SLICES, None], ids=["split", "fused", "fused_slices", "lookup"]
+)
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(SORTED))
 def test_matches_reference(name: str, config: MoeLoraConfig | None, dtype: torch.dtype) -> None:
     case = CASES.get(name) or SORTED[name]
@@ -125,9 +128,33 @@ def test_cuda_graph_replay_and_no_recompile_across_batches() -> None:
         results.append(torch.equal(eager["output"], graphed["output"]))
         counts = [
             sum(len(c[0]) for c in k.device_caches.values())
-            for k in (kt.shrink_kernel, kt.expand_kernel)
+            for k in (kt.moe_lora_shrink_kernel, kt.moe_lora_expand_kernel)
         ]
         if tokens == 3:
             first_counts = counts
     assert all(results)
     assert counts == first_counts, (first_counts, counts)
+
+
+def test_plugin_serves_vllm_calls_with_our_op() -> None:
+    """On vLLM 0.26: register() patches PunicaWrapperGPU's op once, and the patched op gives
+    vLLM's own op's result on vLLM-shaped decode inputs."""
+    from vllm.lora.ops.triton_ops.fused_moe_lora_op import _fused_moe_lora as stock
+    from vllm.lora.punica_wrapper import punica_gpu
+
+    from loraplex.kernels.plugin import PluginState, register
+
+    assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
+    assert register(enabled=True) is PluginState.ALREADY
+    assert punica_gpu.fused_moe_lora is torch.ops.loraplex.fused_moe_lora
+    case = Case(4, 8, 128, 32, 8, "distinct", k=2048, n=768)
+    ours = make_inputs(case, torch.bfloat16, "cuda", seed=9)
+    theirs = make_inputs(case, torch.bfloat16, "cuda", seed=9)
+    for args in (ours, theirs):
+        args["output"].zero_()
+    tuning = (16, 64, 32, 8, 4, 3, 1) * 2
+    calls: list[tuple[Any, dict[str, Any]]] = [(punica_gpu.fused_moe_lora, ours), (stock, theirs)]
+    for fn, args in calls:
+        fn(*args.values(), *tuning, False, False, 0, True)
+    err = (ours["output"].float() - theirs["output"].float()).norm() / theirs["output"].norm()
+    assert float(err) < TOL, float(err)

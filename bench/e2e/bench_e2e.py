@@ -1,0 +1,278 @@
+"""End to end on the device: base model, stock vLLM with LoRA, vLLM with the loraplex plugin.
+
+    PYTHONPATH=/tmp/site:. python3 bench/e2e/bench_e2e.py MODE --commit SHA --out DIR
+    MODE: base | stock | plugin | check
+
+base/stock/plugin: the workload of issue 6 on a Qwen3-30B-A3B-shaped model with dummy weights
+(48 layers, 128 experts top-8; `--layers` for fewer): 16 concurrent requests of 1600 prompt and
+600 output tokens, 8 rank-32 adapters on attention and all experts, round robin, CUDA graphs on.
+Per repetition (default 3, fresh prompts each, no prefix-cache hits): the prefill time of the 16
+prompts (max_tokens=1) and the output tokens/s per request, (600 - 1) / (total - prefill), the
+proxy of ../shared/gpu/example_bench_offline.py whose baseline the issue quotes.
+
+check: greedy tokens with and without the plugin on a small Qwen3-MoE with real random weights
+(transformers, seeded) and two adapters; the first 16 tokens must agree.
+
+The plugin is found through the `vllm.general_plugins` entry point in pyproject.toml: `--install`
+writes a dist-info carrying that entry point into the first PYTHONPATH folder (the repository,
+on PYTHONPATH, provides `loraplex`). The switch is LORAPLEX_ENGINE__MOE_LORA_KERNELS, inherited by
+vLLM's engine processes: 0 for stock, 1 for plugin. Each mode runs in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+ENV_SWITCH = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
+REPO = Path(__file__).resolve().parents[2]
+H, I_MOE, EXPERTS, TOPK, RANK = 2048, 768, 128, 8, 32
+
+
+def install_entry_point(site: Path) -> Path:
+    """A dist-info whose entry_points.txt is pyproject's vllm.general_plugins section."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    plugins = project["entry-points"]["vllm.general_plugins"]
+    info = site / f"loraplex-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: loraplex\nVersion: {project['version']}\n"
+    )
+    lines = ["[vllm.general_plugins]"] + [f"{k} = {v}" for k, v in plugins.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return info
+
+
+def make_model(path: Path, layers: int) -> None:
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+        "intermediate_size": 6144, "moe_intermediate_size": I_MOE, "num_hidden_layers": layers,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": EXPERTS, "num_experts_per_tok": TOPK, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
+        "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False,
+    }  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def make_adapter(path: Path, layers: int, hidden: int, inter: int, experts: int, q: int, kv: int,
+                 seed: int, scale: float = 0.01) -> None:  # fmt: skip
+    """A random rank-32 PEFT adapter on q/k/v/o and every expert's gate/up/down."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (path / "adapter_model.safetensors").exists():
+        return
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv),
+              "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden)}  # fmt: skip
+    for e in range(experts):
+        for name, io in {"gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+                         "down_proj": (inter, hidden)}.items():  # fmt: skip
+            shapes[f"mlp.experts.{e}.{name}"] = io
+    tensors = {}
+    for layer in range(layers):
+        for mod, (i, o) in shapes.items():
+            p = f"base_model.model.model.layers.{layer}.{mod}"
+            a = torch.randn(RANK, i, device="cuda", generator=gen) * scale
+            b = torch.randn(o, RANK, device="cuda", generator=gen) * scale
+            tensors[p + ".lora_A.weight"] = a.bfloat16().cpu()
+            tensors[p + ".lora_B.weight"] = b.bfloat16().cpu()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": targets,
+        "bias": "none", "task_type": "CAUSAL_LM",
+    }))  # fmt: skip
+
+
+def run_workload(ns: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    model, adapter = Path("/tmp/e2e_model"), Path("/tmp/e2e_lora")
+    make_model(model, ns.layers)
+    kw: dict = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+                    max_model_len=4096, gpu_memory_utilization=0.88, max_num_seqs=64)  # fmt: skip
+    if ns.mode != "base":
+        make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
+        kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8)
+    prof_dir = Path(f"/tmp/e2e_prof_{ns.mode}")
+    if ns.profile:
+        # Decode steps only: the prefill of 16 x 1600 tokens takes a few engine iterations.
+        kw["profiler_config"] = {
+            "profiler": "torch", "torch_profiler_dir": str(prof_dir),
+            "torch_profiler_with_stack": False, "delay_iterations": 12, "max_iterations": 20,
+        }  # fmt: skip
+    start = time.time()
+    llm = LLM(**kw)
+    startup = time.time() - start
+    rnd = random.Random(0)
+
+    def prompts() -> list[Any]:
+        return [{"prompt_token_ids": [rnd.randrange(1000, 100000) for _ in range(1600)]}
+                for _ in range(16)]  # fmt: skip
+
+    lrs = None
+    if ns.mode != "base":
+        lrs = [LoRARequest(f"ad{i % 8}", i % 8 + 1, str(adapter)) for i in range(16)]
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    full = SamplingParams(max_tokens=600, ignore_eos=True, detokenize=False)
+    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    llm.generate(prompts()[:2], warm, lora_request=lrs[:2] if lrs else None, use_tqdm=False)
+    llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)  # loads every adapter
+    reps = []
+    for _ in range(ns.reps):
+        t = time.time()
+        llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
+        prefill = time.time() - t
+        t = time.time()
+        outs = llm.generate(prompts(), full, lora_request=lrs, use_tqdm=False)
+        total = time.time() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        reps.append(
+            {
+                "prefill_s": prefill,
+                "total_s": total,
+                "out_tokens": tokens,
+                "otps_per_req": 599 / (total - prefill),
+                "throughput": tokens / total,
+            }
+        )
+    profile = None
+    if ns.profile:
+        llm.start_profile()
+        llm.generate(prompts(), SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False),
+                     lora_request=lrs, use_tqdm=False)  # fmt: skip
+        llm.stop_profile()
+        profile = summarize_traces(prof_dir, steps=20)
+    return {
+        "startup_s": startup, "reps": reps, "decode_profile_us_per_step": profile,
+        "otps_per_req_median": statistics.median(r["otps_per_req"] for r in reps),
+        "prefill_s_median": statistics.median(r["prefill_s"] for r in reps),
+    }  # fmt: skip
+
+
+KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
+    ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused)_kernel$"),
+    ("moe_lora_vllm", r"fused_moe_lora"),
+    ("moe_lora_align", r"moe_lora_align|lora_align"),
+    ("dense_lora", r"lora_shrink|lora_expand|_lora_"),
+    ("moe_base", r"fused_moe_kernel|moe_align|moe_sum|topk|count_and_sort"),
+    ("attention", r"flash|attn|attention|fmha"),
+    ("gemm", r"gemm|nvjet|cutlass|cublas|sm90_xmma|matmul"),
+)
+
+
+def summarize_traces(folder: Path, steps: int) -> dict[str, float]:
+    """GPU kernel time per decode step by group, summed over the worker's trace files."""
+    import gzip
+    import re
+
+    totals: dict[str, float] = {}
+    for path in folder.rglob("*.json*"):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        for ev in events:
+            if ev.get("cat") != "kernel":
+                continue
+            name = ev.get("name", "")
+            group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
+            totals[group] = totals.get(group, 0.0) + float(ev.get("dur", 0.0))
+    per_step = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
+    per_step["all_kernels"] = round(sum(totals.values()) / steps, 1)
+    return per_step
+
+
+def make_small_model(path: Path) -> None:
+    """A small Qwen3-MoE with real random weights (seeded), saved by transformers."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if (path / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    shape: dict[str, Any] = dict(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        num_experts=32, num_experts_per_tok=4, max_position_embeddings=2048,
+    )  # fmt: skip
+    model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape))
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def run_check(ns: argparse.Namespace) -> dict:
+    """Greedy tokens of two adapters' requests; the caller runs it with and without the plugin."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    model = Path("/tmp/e2e_small")
+    make_small_model(model)
+    adapters = [Path(f"/tmp/e2e_small_lora{i}") for i in range(2)]
+    for i, path in enumerate(adapters):
+        make_adapter(path, 4, 512, 256, 32, 512, 128, seed=10 + i, scale=0.05)
+    llm = LLM(model=str(model), skip_tokenizer_init=True, max_model_len=512, enable_lora=True,
+              max_loras=2, max_lora_rank=RANK, gpu_memory_utilization=0.3,
+              enforce_eager=True)  # fmt: skip
+    rnd = random.Random(1)
+    prompts: list[Any] = [
+        {"prompt_token_ids": [rnd.randrange(10, 4000) for _ in range(32)]} for _ in range(4)
+    ]
+    lrs = [LoRARequest(f"a{i % 2}", i % 2 + 1, str(adapters[i % 2])) for i in range(4)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
+    outs = llm.generate(prompts, greedy, lora_request=lrs, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def compare(out: Path) -> dict:
+    stock = json.loads((out / "e2e_check-stock.json").read_text())["tokens"]
+    plugin = json.loads((out / "e2e_check-plugin.json").read_text())["tokens"]
+    same = [a[:16] == b[:16] for a, b in zip(stock, plugin, strict=True)]
+    return {"requests": len(same), "agree_first_16": sum(same), "stock": stock, "plugin": plugin}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    modes = ["base", "stock", "plugin", "check-stock", "check-plugin", "compare"]
+    parser.add_argument("mode", choices=modes)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="torch-profile 20 decode steps")
+    parser.add_argument("--install", type=Path, help="write the plugin's dist-info here first")
+    ns = parser.parse_args()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    if ns.install:
+        print("plugin entry point in", install_entry_point(ns.install), flush=True)
+    if ns.mode == "compare":
+        result = compare(ns.out)
+        print("CHECK", json.dumps({k: result[k] for k in ("requests", "agree_first_16")}))
+        (ns.out / "e2e_check.json").write_text(json.dumps(result) + "\n")
+        return
+    # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.plugin).
+    os.environ[ENV_SWITCH] = "1" if ns.mode.endswith("plugin") else "0"
+    import torch
+
+    run = run_check if ns.mode.startswith("check") else run_workload
+    row = {"mode": ns.mode, "machine": torch.cuda.get_device_name(), "commit": ns.commit,
+           "layers": ns.layers, **run(ns)}  # fmt: skip
+    (ns.out / f"e2e_{ns.mode}.json").write_text(json.dumps(row, indent=1) + "\n")
+    print("RESULT", json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
