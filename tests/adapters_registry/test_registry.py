@@ -7,12 +7,18 @@ folder plays a restart.
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
+from registry_builders import adapter_config, dense_tensors, write_adapter
 from registry_fake_engine import FakeEngine
 from registry_rig import Rig, metric
 
 from loraplex.adapters_registry.base import AdapterConflict, AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.lifecycle import open_adapter_source
+from loraplex.adapters_registry.settings import RegistrySettings
 
 pytestmark = pytest.mark.anyio
 
@@ -158,3 +164,23 @@ async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
     await a.set_pinned("bot", False)
     await b.refresh()
     assert b.info("bot").tier == "cpu" and b_engine.pinned == set()
+
+
+async def test_open_adapter_source_seeds_and_polls(rig: Rig, tmp_path: Path) -> None:
+    seeds = tmp_path / "seeds"
+    write_adapter(seeds / "seeded", adapter_config(), dense_tensors(seed=21))
+    settings = RegistrySettings(
+        store=f"s3://{rig.bucket}/registry", s3_endpoint_url=rig.endpoint, poll_interval_s=0.2
+    )
+    other = await rig.registry("other")
+    async with open_adapter_source(
+        settings, FakeEngine(), model_dir=rig.model, base_model_name="tiny", max_lora_rank=16,
+        max_loras=2, max_cpu_loras=3, cache_root=tmp_path / "served", seed_dir=seeds,
+        metrics_registry=CollectorRegistry(),
+    ) as served:  # fmt: skip
+        assert served.names() == ["seeded"]
+        await other.register("late", rig.source("late"))
+        deadline = time.monotonic() + 5
+        while "late" not in served.names():  # the poll loop, not an explicit refresh
+            assert time.monotonic() < deadline, "replica did not converge"
+            await asyncio.sleep(0.05)
