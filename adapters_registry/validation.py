@@ -8,34 +8,29 @@ naming the field or tensor, the bound, and a fixed `reason` label for metrics.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
+from loraplex.adapters_registry.peft_config import (
+    CONFIG_FILE,
+    check_config,
+    invalid,
+    rank_for,
+)
 from loraplex.adapters_registry.tensors import HeaderError, TensorInfo, read_header
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _PREFIX = "base_model.model."
-# Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
-_PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
 
 
 @dataclass(frozen=True)
 class ValidatedAdapter:
     rank: int
     modules: int
-
-
-def invalid(reason: str, message: str, param: str) -> AdapterInvalid:
-    return AdapterInvalid(message, param=param, reason=reason)
 
 
 def check_listing(files: Mapping[str, int], max_bytes: int) -> None:
@@ -59,110 +54,6 @@ def check_listing(files: Mapping[str, int], max_bytes: int) -> None:
             f"adapter is {size} bytes; registry.max_adapter_mib allows at most {max_bytes}",
             WEIGHTS_FILE,
         )
-
-
-def _load_config(folder: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except FileNotFoundError as e:
-        raise invalid("missing_config", f"{CONFIG_FILE} is missing", CONFIG_FILE) from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise invalid("bad_config", f"{CONFIG_FILE} is not valid JSON: {e}", CONFIG_FILE) from e
-    if not isinstance(config, dict):
-        raise invalid("bad_config", f"{CONFIG_FILE} is not a JSON object", CONFIG_FILE)
-    return config
-
-
-def _check_features(config: dict[str, Any]) -> None:
-    refused = {
-        "use_dora": "DoRA (use_dora) is not supported by vLLM",
-        "lora_bias": "LoRA bias (lora_bias) is not supported by vLLM",
-        "modules_to_save": "modules_to_save (fully trained modules) is not supported by vLLM",
-        "alora_invocation_tokens": "Activated LoRA (alora_invocation_tokens) is not supported",
-        "layer_replication": "layer_replication is not supported by vLLM",
-        "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported by vLLM",
-        "use_qalora": "QALoRA (use_qalora) is not supported by vLLM",
-    }
-    for key, why in refused.items():
-        if config.get(key):
-            raise invalid("unsupported_feature", f"{CONFIG_FILE}: {key}: {why}", key)
-    if config.get("bias", "none") != "none":
-        raise invalid(
-            "unsupported_feature",
-            f"{CONFIG_FILE}: bias is {config['bias']!r}; vLLM supports only 'none'",
-            "bias",
-        )
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
-        raise invalid(
-            "unsupported_feature",
-            f"{CONFIG_FILE}: init_lora_weights {init!r} modifies the base weights; convert the "
-            "adapter to a plain LoRA first",
-            "init_lora_weights",
-        )
-
-
-def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
-    r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise invalid("bad_config", f"{CONFIG_FILE}: r must be a positive integer, got {r!r}", "r")
-    if r > max_lora_rank:
-        raise invalid("rank", f"rank r={r} exceeds max_lora_rank={max_lora_rank}", "r")
-    pattern = config.get("rank_pattern") or {}
-    if not isinstance(pattern, dict):
-        raise invalid(
-            "bad_config", f"{CONFIG_FILE}: rank_pattern must be an object", "rank_pattern"
-        )
-    for key, value in pattern.items():
-        if not isinstance(value, int) or value < 1 or value > max_lora_rank:
-            raise invalid(
-                "rank",
-                f"rank_pattern[{key!r}]={value!r} must be an integer in 1..{max_lora_rank} "
-                "(max_lora_rank)",
-                "rank_pattern",
-            )
-    return {"": r, **pattern}
-
-
-def _rank_for(ranks: dict[str, int], module: str) -> int:
-    # vLLM's (and PEFT's) rule: the first pattern that is a '.'-bounded suffix of the name wins.
-    for key, value in ranks.items():
-        if key and re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return ranks[""]
-
-
-def _check_targets(config: dict[str, Any], spec: BaseModelSpec) -> None:
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        if targets != "all-linear" and not any(re.fullmatch(targets, m) for m in spec.linear):
-            raise invalid(
-                "target_modules",
-                f"target_modules regex {targets!r} matches no linear module of {spec.name}",
-                "target_modules",
-            )
-    elif isinstance(targets, list):
-        for target in targets:
-            if not isinstance(target, str) or not spec.matches_target(target):
-                raise invalid(
-                    "target_modules",
-                    f"target module {target!r} is not a linear module of {spec.name} that can "
-                    "take LoRA (only decoder-layer linears can)",
-                    "target_modules",
-                )
-    elif targets is not None or not config.get("target_parameters"):
-        raise invalid(
-            "bad_config", f"{CONFIG_FILE}: target_modules must be a list or a regex string",
-            "target_modules",
-        )  # fmt: skip
-    for param in config.get("target_parameters") or []:
-        if spec.moe is None or param.rsplit(".", 1)[-1] not in ("gate_up_proj", "down_proj"):
-            raise invalid(
-                "target_modules",
-                f"target parameter {param!r}: {spec.name} has no fused MoE expert parameter "
-                "of that name (supported: experts.gate_up_proj, experts.down_proj)",
-                "target_parameters",
-            )
 
 
 def _split_tensor_name(name: str) -> tuple[str, str]:
@@ -202,7 +93,7 @@ def _expected_shape(
         group, param = fused
         moe = spec.moe
         # The 3D layout stacks the experts' rank-r factors: (r * E, in) and (out, r * E).
-        er = _rank_for(ranks, f"{group}.{param}") * moe.num_experts
+        er = rank_for(ranks, f"{group}.{param}") * moe.num_experts
         if param == "gate_up_proj":
             in_f, out_f = moe.hidden, 2 * moe.intermediate
         else:
@@ -215,7 +106,7 @@ def _expected_shape(
             module,
         )
     out_f, in_f = spec.linear[module]
-    rank = _rank_for(ranks, module)
+    rank = rank_for(ranks, module)
     return (rank, in_f) if side == "A" else (out_f, rank)
 
 
@@ -254,15 +145,7 @@ def validate_adapter(
 
     Blocking (reads the header of the weights file). Raises AdapterInvalid; mutates nothing.
     """
-    config = _load_config(folder)
-    if config.get("peft_type") != "LORA":
-        raise invalid(
-            "not_lora", f"peft_type is {config.get('peft_type')!r}; only 'LORA' is served",
-            "peft_type",
-        )  # fmt: skip
-    _check_features(config)
-    ranks = _check_rank(config, max_lora_rank)
-    _check_targets(config, spec)
+    ranks = check_config(folder, spec, max_lora_rank)
     if not (folder / WEIGHTS_FILE).is_file():
         raise invalid("missing_weights", f"{WEIGHTS_FILE} is missing", WEIGHTS_FILE)
     try:

@@ -1,0 +1,142 @@
+"""Checking an adapter's `adapter_config.json` (PEFT's LoraConfig) against what vLLM serves.
+
+The refused features are the ones vLLM's own PEFTHelper refuses at load (DoRA, LoRA bias,
+modules_to_save, ...) - caught here at registration, with the field named, instead of at the
+first request. Raises AdapterInvalid with a fixed `reason` label for metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base_model import BaseModelSpec
+
+CONFIG_FILE = "adapter_config.json"
+# Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
+_PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
+
+
+def invalid(reason: str, message: str, param: str) -> AdapterInvalid:
+    return AdapterInvalid(message, param=param, reason=reason)
+
+
+def _load_config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError as e:
+        raise invalid("missing_config", f"{CONFIG_FILE} is missing", CONFIG_FILE) from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid("bad_config", f"{CONFIG_FILE} is not valid JSON: {e}", CONFIG_FILE) from e
+    if not isinstance(config, dict):
+        raise invalid("bad_config", f"{CONFIG_FILE} is not a JSON object", CONFIG_FILE)
+    return config
+
+
+def _check_features(config: dict[str, Any]) -> None:
+    refused = {
+        "use_dora": "DoRA (use_dora) is not supported by vLLM",
+        "lora_bias": "LoRA bias (lora_bias) is not supported by vLLM",
+        "modules_to_save": "modules_to_save (fully trained modules) is not supported by vLLM",
+        "alora_invocation_tokens": "Activated LoRA (alora_invocation_tokens) is not supported",
+        "layer_replication": "layer_replication is not supported by vLLM",
+        "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported by vLLM",
+        "use_qalora": "QALoRA (use_qalora) is not supported by vLLM",
+    }
+    for key, why in refused.items():
+        if config.get(key):
+            raise invalid("unsupported_feature", f"{CONFIG_FILE}: {key}: {why}", key)
+    if config.get("bias", "none") != "none":
+        raise invalid(
+            "unsupported_feature",
+            f"{CONFIG_FILE}: bias is {config['bias']!r}; vLLM supports only 'none'",
+            "bias",
+        )
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
+        raise invalid(
+            "unsupported_feature",
+            f"{CONFIG_FILE}: init_lora_weights {init!r} modifies the base weights; convert the "
+            "adapter to a plain LoRA first",
+            "init_lora_weights",
+        )
+
+
+def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
+    r = config.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise invalid("bad_config", f"{CONFIG_FILE}: r must be a positive integer, got {r!r}", "r")
+    if r > max_lora_rank:
+        raise invalid("rank", f"rank r={r} exceeds max_lora_rank={max_lora_rank}", "r")
+    pattern = config.get("rank_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: rank_pattern must be an object", "rank_pattern"
+        )
+    for key, value in pattern.items():
+        if not isinstance(value, int) or value < 1 or value > max_lora_rank:
+            raise invalid(
+                "rank",
+                f"rank_pattern[{key!r}]={value!r} must be an integer in 1..{max_lora_rank} "
+                "(max_lora_rank)",
+                "rank_pattern",
+            )
+    return {"": r, **pattern}
+
+
+def rank_for(ranks: dict[str, int], module: str) -> int:
+    # vLLM's (and PEFT's) rule: the first pattern that is a '.'-bounded suffix of the name wins.
+    for key, value in ranks.items():
+        if key and re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return ranks[""]
+
+
+def _check_targets(config: dict[str, Any], spec: BaseModelSpec) -> None:
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        if targets != "all-linear" and not any(re.fullmatch(targets, m) for m in spec.linear):
+            raise invalid(
+                "target_modules",
+                f"target_modules regex {targets!r} matches no linear module of {spec.name}",
+                "target_modules",
+            )
+    elif isinstance(targets, list):
+        for target in targets:
+            if not isinstance(target, str) or not spec.matches_target(target):
+                raise invalid(
+                    "target_modules",
+                    f"target module {target!r} is not a linear module of {spec.name} that can "
+                    "take LoRA (only decoder-layer linears can)",
+                    "target_modules",
+                )
+    elif targets is not None or not config.get("target_parameters"):
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: target_modules must be a list or a regex string",
+            "target_modules",
+        )  # fmt: skip
+    for param in config.get("target_parameters") or []:
+        if spec.moe is None or param.rsplit(".", 1)[-1] not in ("gate_up_proj", "down_proj"):
+            raise invalid(
+                "target_modules",
+                f"target parameter {param!r}: {spec.name} has no fused MoE expert parameter "
+                "of that name (supported: experts.gate_up_proj, experts.down_proj)",
+                "target_parameters",
+            )
+
+
+def check_config(folder: Path, spec: BaseModelSpec, max_lora_rank: int) -> dict[str, int]:
+    """Validate the config; return the ranks: {"": r, **rank_pattern}."""
+    config = _load_config(folder)
+    if config.get("peft_type") != "LORA":
+        raise invalid(
+            "not_lora", f"peft_type is {config.get('peft_type')!r}; only 'LORA' is served",
+            "peft_type",
+        )  # fmt: skip
+    _check_features(config)
+    ranks = _check_rank(config, max_lora_rank)
+    _check_targets(config, spec)
+    return ranks
