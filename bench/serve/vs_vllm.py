@@ -1,7 +1,8 @@
 """loraplex's gateway vs vLLM's own OpenAI server, same model and engine settings, one run.
 
 Runs vLLM's benchmark client (`vllm.benchmarks.serve`) against both servers, alternating
-loraplex, vLLM, loraplex, vLLM, ... so drift on a noisy machine hits both alike, and prints the
+loraplex, vLLM, loraplex, vLLM, ... (one server up at a time) so drift on a noisy machine hits
+both alike, and prints the
 ratio of output throughput and the difference of median TTFT. Both servers enable LoRA with the
 same limits and the requests name the base model, so the difference is the gateway's cost.
 
@@ -104,20 +105,22 @@ def main() -> None:
     from loraplex.server.settings import default_cache_dir
 
     model_dir = ensure_demo_model(default_cache_dir())
-    ours = ServerProcess(
-        env={f"LORAPLEX_ENGINE__{k.upper()}": str(v) for k, v in ENGINE_FLAGS.items()}
-    )
-    theirs = vllm_server(model_dir, DEMO_MODEL_NAME)
+    servers = {
+        "loraplex": lambda: ServerProcess(
+            env={f"LORAPLEX_ENGINE__{k.upper()}": str(v) for k, v in ENGINE_FLAGS.items()}
+        ),
+        "vllm": lambda: vllm_server(model_dir, DEMO_MODEL_NAME),
+    }
     runs: dict[str, list[dict[str, Any]]] = {"loraplex": [], "vllm": []}
-    try:
-        ours.start()
-        theirs.start()
-        for _ in range(args.repeats):
-            for label, server in (("loraplex", ours), ("vllm", theirs)):
+    # One server up at a time: an idle vLLM CPU worker still polls and would steal a core
+    # (seen: 30% of a core while idle), so running both at once measures neither.
+    for _ in range(args.repeats):
+        for label, make in servers.items():
+            server = make().start()
+            try:
                 runs[label].append(run_client(server, DEMO_MODEL_NAME, model_dir, args))
-    finally:
-        ours.stop()
-        theirs.stop()
+            finally:
+                server.stop()
 
     def median(label: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[label])
