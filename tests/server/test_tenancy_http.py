@@ -32,6 +32,8 @@ CONFIG = {
     "tenancy": {
         "max_running": 2,
         "max_queued": 2,
+        # Other tests' tenants must not keep slots reserved during the queue test.
+        "active_window_s": 0.5,
         "tenants": [
             {"id": "acme", "display_name": "Acme", "api_keys": [ACME_KEY]},
             {"id": "globex", "display_name": "Globex Corp", "api_keys": [GLOBEX_KEY]},
@@ -199,6 +201,7 @@ def test_full_queue_is_503_and_cancelled_queued_requests_never_reach_the_engine(
     distinct, so any leak would show).
     """
     model = base_model(server)
+    time.sleep(1.0)  # past tenancy.active_window_s: acme is the only active tenant
     prompt_before = _metric(server, "vllm:prompt_tokens_total")
 
     async def scenario() -> int:
