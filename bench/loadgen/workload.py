@@ -33,7 +33,9 @@ class TenantLoad(BaseModel):
     name: str
     api_key: str | None = None
     api_key_env: str | None = None
-    adapters: list[str] = Field(default_factory=list)
+    adapters: list[str | None] = Field(
+        default_factory=list, description="Cycled through per request; null is the base model."
+    )
     rate: float | None = Field(default=None, gt=0)
     concurrency: int | None = Field(default=None, ge=1)
     prompt_len: int = Field(default=128, ge=1)
