@@ -150,9 +150,14 @@ class AdapterRegistry:
     # ---- catalog sync ----
 
     async def refresh(self) -> None:
-        """Apply what the log gained since the last refresh, then reconcile the engine tiers."""
+        """Apply what the log gained since the last refresh, then reconcile the engine tiers
+        with the catalog and with the engine's own list of loaded adapters."""
         async with self._sync_lock:
             await self._refresh_locked()
+        extra, lost = await self.tiers.reconcile()
+        if extra or lost:
+            log.warning("engine tiers disagreed: removed unknown ids %s, forgot lost ids %s",
+                        sorted(extra), sorted(lost))  # fmt: skip
         await self._reconcile()
 
     async def _refresh_locked(self) -> None:
