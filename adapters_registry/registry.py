@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.adapters_registry.base import (
+    AdapterError,
     AdapterInvalid,
     AdapterNotFound,
     AdapterUnavailable,
@@ -199,16 +200,22 @@ class AdapterRegistry:
         for engine_id in self.tiers.loaded_ids() - live:
             if self.tiers.leases(engine_id) == 0:
                 await self.tiers.evict(engine_id, drain_s=0)
-        wanted = set()
+        wanted: dict[int, VersionRecord] = {}
         for name in self.catalog.names():
             entry = self.catalog.entry(name)
             if entry is not None and entry.pinned:
                 record = self.catalog.versions(name)[entry.version]
-                wanted.add(record.engine_id)
-                if record.engine_id not in self.tiers.pinned_ids():
-                    await self._pin_record(record)
-        for engine_id in self.tiers.pinned_ids() - wanted:
+                wanted[record.engine_id] = record
+        # Unpins first: a pinned name moved to a new version frees its old slot for the new one.
+        for engine_id in self.tiers.pinned_ids() - wanted.keys():
             await self.tiers.unpin(engine_id)
+        for engine_id, record in wanted.items():
+            if engine_id in self.tiers.pinned_ids():
+                continue
+            try:
+                await self._pin_record(record)
+            except AdapterError as e:  # one bad pin must not stop the others or the poll
+                log.warning("cannot pin `%s` on this replica: %s", record.name, e.message)
 
     async def poll_forever(self) -> None:
         while True:

@@ -184,3 +184,12 @@ async def test_open_adapter_source_seeds_and_polls(rig: Rig, tmp_path: Path) -> 
         while "late" not in served.names():  # the poll loop, not an explicit refresh
             assert time.monotonic() < deadline, "replica did not converge"
             await asyncio.sleep(0.05)
+
+
+async def test_pin_follows_the_name_to_a_new_version(rig: Rig) -> None:
+    engine = FakeEngine()
+    reg = await rig.registry("a", engine)  # max_loras=2: one pin at most
+    v1 = await reg.register("bot", rig.source("v1", seed=1), pinned=True)
+    v2 = await reg.register("bot", rig.source("v2", seed=2))
+    assert v2.pinned and v2.tier == "gpu" and engine.pinned == {v2.engine_id}
+    assert v1.engine_id not in engine.pinned
