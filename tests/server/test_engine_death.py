@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,10 +17,17 @@ MODEL_DIR = Path.home() / ".cache" / "loraplex" / "models" / "SmolLM2-135M-Instr
 
 
 @pytest.fixture(scope="module")
-def model_dir_server(embedded_server: ServerProcess) -> ServerProcess:
+def model_dir_server(
+    embedded_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     # Depends on the embedded server only so the demo model has been converted into the cache.
+    # Its own cache dir: the adapter catalog there is empty, so only the base model is listed.
     server = ServerProcess(
-        env={"LORAPLEX_ENGINE__SERVED_MODEL_NAME": "smol"}, args=["--model", str(MODEL_DIR)]
+        env={
+            "LORAPLEX_ENGINE__SERVED_MODEL_NAME": "smol",
+            "LORAPLEX_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        },
+        args=["--model", str(MODEL_DIR)],
     ).start()
     yield server
     server.stop()
