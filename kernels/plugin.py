@@ -7,7 +7,9 @@ and logs one line saying what it did:
 - on vLLM 0.26 with CUDA it registers `torch.ops.loraplex.fused_moe_lora` (a custom op, so
   torch.compile and CUDA graphs treat it as vLLM's own) and points `PunicaWrapperGPU` at it;
   calls our kernels do not cover (fully_sharded, more than two slices, rank > 128) go to vLLM's
-  own implementation;
+  own implementation. It also routes `PunicaWrapperGPU.add_lora_linear` (attention and other
+  dense layers) through `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode
+  batches of up to DENSE_MAX_TOKENS tokens, vLLM's shrink and expand for larger ones;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
 
 The switch: `register(enabled=...)` from loraplex's engine wrapper, or in processes vLLM spawns
@@ -25,14 +27,21 @@ from typing import Any
 
 import torch
 
+from .lora_dense_op import UnsupportedDenseCall, lora_dense
 from .moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora
 
 ENV_SWITCH = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
 SUPPORTED_VLLM = ("0.26.",)
 OP_NAME = "loraplex::fused_moe_lora"
+DENSE_OP_NAME = "loraplex::lora_linear"
+# Our dense kernels are per-token GEMVs: decode batches only (vLLM captures decode CUDA graphs
+# up to max_num_seqs); prefill chunks keep vLLM's tiled kernels.
+DENSE_MAX_TOKENS = 64
 _OFF = {"0", "false", "no", "off"}
 
-log = logging.getLogger("loraplex.kernels.plugin")
+# Under vLLM's logger tree, so that the line shows in the engine core's and the workers' output:
+# vLLM configures handlers for "vllm" only, and a bare logger of ours would print nothing at INFO.
+log = logging.getLogger("vllm.plugins.loraplex_moe_lora")
 
 
 class PluginState(enum.Enum):
@@ -111,6 +120,72 @@ def _define_op(original: Callable[..., None]) -> Any:
     return torch.ops.loraplex.fused_moe_lora
 
 
+def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -> Any:
+    """torch.ops.loraplex.lora_linear: `PunicaWrapperGPU.add_lora_linear`'s work as one op, ours
+    for decode batches, vLLM's `shrink` and `expand` (its eager implementations) otherwise."""
+    if hasattr(torch.ops.loraplex, "lora_linear"):
+        return torch.ops.loraplex.lora_linear
+
+    @torch.library.custom_op(DENSE_OP_NAME, mutates_args=("y",))
+    def op(
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: list[torch.Tensor],
+        lora_b: list[torch.Tensor],
+        scale: float,
+        token_lora_mapping: torch.Tensor,
+        token_indices_sorted_by_lora_ids: torch.Tensor,
+        num_tokens_per_lora: torch.Tensor,
+        lora_token_start_loc: torch.Tensor,
+        lora_ids: torch.Tensor,
+        no_lora_flag_cpu: torch.Tensor,
+        num_active_loras: torch.Tensor,
+        add_inputs: bool,
+    ) -> None:
+        if bool(no_lora_flag_cpu.item()):  # a CPU tensor by vLLM's contract: no device sync
+            return
+        if x.shape[0] <= DENSE_MAX_TOKENS:
+            try:
+                lora_dense(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
+                return
+            except UnsupportedDenseCall:
+                pass
+        meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                lora_token_start_loc, lora_ids, no_lora_flag_cpu, num_active_loras)  # fmt: skip
+        rank = lora_b[0].shape[-1]
+        buffer = torch.empty((len(lora_a), x.shape[0], rank), dtype=torch.float32, device=x.device)
+        shrink(x, lora_a, buffer, *meta, scale)
+        expand(buffer, lora_b, y, *meta, offset_start=0, add_inputs=add_inputs)
+
+    @op.register_fake
+    def _fake(*args: object, **kwargs: object) -> None:
+        return None
+
+    return torch.ops.loraplex.lora_linear
+
+
+def _add_lora_linear(
+    self: Any,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    scale: float,
+    output_slices: tuple[int, ...],
+    *,
+    buffer: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """PunicaWrapperGPU.add_lora_linear (vLLM 0.26 semantics) through torch.ops.loraplex."""
+    del output_slices, buffer  # widths come from B's shapes, as in vLLM's expand; no buffer
+    x2 = x.view(-1, x.shape[-1])
+    meta = self.token_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
+    torch.ops.loraplex.lora_linear(
+        y.view(-1, y.shape[-1]), x2, list(lora_a_stacked), list(lora_b_stacked), float(scale),
+        *meta, bool(kwargs.get("add_inputs", True)),
+    )  # fmt: skip
+
+
 def _patch() -> PluginState:
     import vllm
 
@@ -138,11 +213,15 @@ def _patch() -> PluginState:
         log.warning("loraplex MoE-LoRA kernels: vLLM %s lacks fused_moe_lora; stock kernels stay",
                     version)  # fmt: skip
         return PluginState.UNSUPPORTED
+    from vllm.lora.ops.triton_ops import lora_expand_op, lora_shrink_op
+
     ours = _define_op(original)
+    _define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
     punica_gpu.fused_moe_lora = ours
     triton_ops.fused_moe_lora = ours
-    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (pid %d)", version,
-             os.getpid())  # fmt: skip
+    punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
+    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora and decode-sized "
+             "add_lora_linear (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 

