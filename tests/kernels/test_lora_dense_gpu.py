@@ -32,6 +32,7 @@ def test_lora_linear_op_matches_vllm(tokens: int, dtype: torch.dtype) -> None:
     b = [(torch.randn(slots, 1, n, rank, device="cuda", generator=gen) / 8).to(dtype)
          for n in widths]  # fmt: skip
     tlm = torch.randint(-1, slots, (tokens,), device="cuda", generator=gen, dtype=torch.int32)
+    tlm[0] = 3  # at least one token with an adapter
     meta = LoRAKernelMeta.make(slots, 256, device="cuda")
     meta.prepare_tensors(tlm)
     args = meta.meta_args(tokens, False)
