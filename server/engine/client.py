@@ -86,7 +86,7 @@ class EngineClient:
     ) -> AsyncIterator[RequestOutput]:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
-        lora = self._lora_request(adapter) if adapter else None
+        lora = self.lora_request(adapter) if adapter else None
         stream = self._engine.generate(
             {"prompt_token_ids": prompt_token_ids},
             sampling_params,
@@ -117,7 +117,7 @@ class EngineClient:
             log.warning("abort of request %s failed", request_id, exc_info=True)
 
     # --- LoRA control (used by the adapter registry's tier manager) -----------------------
-    def _lora_request(self, adapter: ServableAdapter) -> LoRARequest:
+    def lora_request(self, adapter: ServableAdapter) -> LoRARequest:
         from vllm.lora.request import LoRARequest
 
         binding = (adapter.name, adapter.version, adapter.path)
@@ -135,7 +135,7 @@ class EngineClient:
 
     async def add_lora(self, adapter: ServableAdapter) -> None:
         self._raise_if_dead()
-        await self._engine.add_lora(self._lora_request(adapter))
+        await self._engine.add_lora(self.lora_request(adapter))
 
     async def remove_lora(self, engine_id: int) -> None:
         self._raise_if_dead()
