@@ -74,6 +74,10 @@ class Cluster:
             "LORAPLEX_HTTP__ADMIN_TOKEN": TOKEN,
         }
 
+    def stop_a(self) -> None:
+        if "a" in self.servers:
+            self.servers.pop("a").stop()
+
     def start_b(self) -> ServerProcess:
         self.servers["b"] = ServerProcess(env=self.env("b", self.proxy.url)).start()
         return self.b
@@ -123,6 +127,13 @@ def admin(server: ServerProcess, method: str, path: str, **kw: Any) -> httpx.Res
 
 def register(server: ServerProcess, name: str, source: str) -> httpx.Response:
     return admin(server, "POST", "", json={"name": name, "source": source})
+
+
+def make_cold(server: ServerProcess, name: str, source: str) -> None:
+    """Register `name` on `server` and drop it from its disk: the next request fetches it."""
+    assert register(server, name, source).status_code == 201
+    evicted = admin(server, "POST", f"/{name}/evict", json={"tier": "disk"})
+    assert evicted.json()["tier"] == "store", evicted.text
 
 
 def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Response:
@@ -259,8 +270,10 @@ def test_versions_rollback_pin_and_evict_over_http(cluster: Cluster) -> None:
 
 def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) -> None:
     b = cluster.b
-    register(cluster.a, "cold-bot", cluster.source("cold", 15))
-    eventually(lambda: sees(b, "cold-bot"))
+    # From here on B alone: an idle vLLM CPU worker (A's) keeps polling a core, which would
+    # inflate B's inter-token latency on a 2-core machine.
+    cluster.stop_a()
+    make_cold(b, "cold-bot", cluster.source("cold", 15))
     size = admin(b, "GET", "/cold-bot").json()["size_bytes"]
     # Other tenants' streams: one adapter and the base model, so a GPU slot stays free for the
     # cold adapter (max_loras=2) and it is not queued behind them in vLLM's scheduler.
@@ -311,8 +324,8 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
 
 
 def test_restart_after_kill9_mid_download(cluster: Cluster) -> None:
-    register(cluster.a, "crash-bot", cluster.source("crash", 16))
-    eventually(lambda: sees(cluster.b, "crash-bot"))
+    make_cold(cluster.b, "crash-bot", cluster.source("crash", 16))
+    names_before = {a["name"] for a in admin(cluster.b, "GET", "").json()["data"]}
     size = admin(cluster.b, "GET", "/crash-bot").json()["size_bytes"]
     cluster.proxy.slow(size / 6.0)
     threading.Thread(target=lambda: _ignore(lambda: chat(cluster.b, "crash-bot")),
@@ -321,7 +334,6 @@ def test_restart_after_kill9_mid_download(cluster: Cluster) -> None:
     eventually(lambda: any(p.is_file() for p in (cache / "tmp").rglob("*")), timeout=10)
     cluster.b.kill9()  # mid-download: a partial file sits in tmp/
     cluster.proxy.slow(None)
-    names_before = {a["name"] for a in admin(cluster.a, "GET", "").json()["data"]}
     hits = cluster.proxy.hits
     b = cluster.start_b()
     assert not any((cache / "tmp").iterdir())  # the partial download is gone
