@@ -38,7 +38,9 @@ class AdapterInfo:
     base_model: str
     source: str
     created_at: float
-    tier: str  # "gpu" | "cpu" | "disk" | "store": the fastest tier holding it on this replica
+    # The fastest tier holding it on this replica: "gpu" | "cpu" | "disk" | "s3" (or "store" for
+    # a local-directory store).
+    tier: str
     pinned: bool
     last_used: float | None
     in_flight: int

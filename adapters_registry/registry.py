@@ -248,4 +248,5 @@ class AdapterRegistry:
             return tier.value
         if self.cache.contains(record.version):
             return "disk"
-        return "store"
+        # Only in the object store: named after its kind, as operators know it.
+        return "s3" if self.store.uri.startswith("s3://") else "store"

@@ -148,7 +148,7 @@ async def test_pin_unpin_evict_tiers(rig: Rig) -> None:
     unpinned = await reg.set_pinned("bot", False)
     assert not unpinned.pinned and unpinned.tier == "cpu" and engine.pinned == set()
     assert (await reg.evict("bot", "cpu")).tier == "disk" and engine.loaded == {}
-    assert (await reg.evict("bot", "disk")).tier == "store"
+    assert (await reg.evict("bot", "disk")).tier == "s3"
     async with reg.lease("bot") as adapter:  # back from the store on the next request
         assert (adapter.path / "adapter_model.safetensors").is_file()
     assert reg.info("bot").tier == "cpu"

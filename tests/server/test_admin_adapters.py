@@ -133,7 +133,7 @@ def make_cold(server: ServerProcess, name: str, source: str) -> None:
     """Register `name` on `server` and drop it from its disk: the next request fetches it."""
     assert register(server, name, source).status_code == 201
     evicted = admin(server, "POST", f"/{name}/evict", json={"tier": "disk"})
-    assert evicted.json()["tier"] == "store", evicted.text
+    assert evicted.json()["tier"] == "s3", evicted.text
 
 
 def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Response:
@@ -262,7 +262,7 @@ def test_versions_rollback_pin_and_evict_over_http(cluster: Cluster) -> None:
     assert admin(a, "POST", "/ver-bot/evict", json={"tier": "cpu"}).status_code == 409
     assert admin(a, "POST", "/ver-bot/unpin").json()["tier"] == "cpu"
     evicted = admin(a, "POST", "/ver-bot/evict", json={"tier": "disk"})
-    assert evicted.status_code == 200 and evicted.json()["tier"] == "store"
+    assert evicted.status_code == 200 and evicted.json()["tier"] == "s3"
     assert admin(a, "POST", "/ver-bot/evict", json={"tier": "gpu"}).status_code == 400
     assert chat(a, "ver-bot").status_code == 200  # fetched back from the store
     assert admin(a, "GET", "/ver-bot").json()["tier"] == "cpu"
@@ -295,8 +295,8 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         cold = asyncio.create_task(_stream(b.base_url, "cold-bot", 4))
         async with httpx.AsyncClient(base_url=b.base_url, headers=AUTH) as client:
             # The S3 transfer window ends when the registry reports the adapter on local disk.
-            tier = "store"
-            while tier == "store":
+            tier = "s3"
+            while tier == "s3":
                 await asyncio.sleep(0.05)
                 tier = (await client.get("/admin/v1/adapters/cold-bot")).json()["tier"]
         on_disk = time.perf_counter()
