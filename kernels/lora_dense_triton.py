@@ -122,6 +122,9 @@ def lora_dense_expand_kernel(
     tmp = tmp.to(b.dtype).to(tl.float32)
     out = tl.sum(b.to(tl.float32) * tmp[None, :], axis=1)
     ptrs = y_ptr + t.to(tl.int64) * stride_ym + col0 + offs_n
+    # Rounded to y's dtype before the add, as vLLM's expand does, so that greedy decoding
+    # follows stock vLLM's numbers (an fp32 add flipped a near-tie token in the e2e check).
+    delta = out.to(y_ptr.dtype.element_ty)
     if ADD_INPUTS:
-        out += tl.load(ptrs, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=nmask)
+        delta += tl.load(ptrs, mask=nmask, other=0.0)
+    tl.store(ptrs, delta, mask=nmask)

@@ -180,10 +180,11 @@ def _add_into_output(
         acc = acc * w[:, None]
     ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + (col0 + offs_n)[None, :] * stride_on
     mask = tmask[:, None] & (offs_n < n_hi)[None, :]
+    # Rounded to the output dtype before the add, as vLLM's kernel does (same numbers as stock).
+    delta = acc.to(out_ptr.dtype.element_ty)
     if ADD_INPUTS:
-        prev = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc = acc + prev
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        delta += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, delta, mask=mask)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
