@@ -162,7 +162,12 @@ class EngineTiers:
             return
         await self._engine.remove_lora(engine_id)
         slot.tier = EngineTier.LOADING
-        await self._engine.add_lora(slot.adapter)
+        try:
+            await self._engine.add_lora(slot.adapter)
+        except BaseException:
+            del self._slots[engine_id]  # back to disk only; the next request loads it again
+            self._publish()
+            raise
         slot.tier = EngineTier.CPU
         self._metrics.evictions.labels("gpu").inc()
         self._publish()
