@@ -167,6 +167,7 @@ def run_workload(ns: argparse.Namespace) -> dict:
 
 KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
     ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused)_kernel$"),
+    ("dense_lora_ours", r"^lora_dense_(shrink|expand)_kernel$"),
     ("moe_lora_vllm", r"fused_moe_lora"),
     ("moe_lora_align", r"moe_lora_align|lora_align"),
     ("dense_lora", r"lora_shrink|lora_expand|_lora_"),
