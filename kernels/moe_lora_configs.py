@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Literal
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-Variant = Literal["split", "fused"]
+Variant = Literal["split", "fused", "stock"]
 
 
 @dataclass(frozen=True)
 class MoeLoraConfig:
     """How to launch one call. split: shrink over SPLIT_K K ranges, then expand; fused: one kernel
-    with the intermediate on chip, each program covering 1/npid of N."""
+    with the intermediate on chip, each program covering 1/npid of N; stock: vLLM's own kernel
+    was measured faster here, so the op declines and the plugin hands the call to vLLM."""
 
     variant: Variant
     block_k: int

@@ -131,7 +131,8 @@ def fused_moe_lora(
     """output[pairs, offset + s*N ...] (+)= (x @ A[s].T) @ B[s].T per the reference's spec.
 
     `config` overrides the tuned lookup (the tuner uses it). Raises UnsupportedMoeLoraCall for
-    fully_sharded (it needs a collective between shrink and expand), > 2 slices or rank > 128.
+    fully_sharded (it needs a collective between shrink and expand), > 2 slices, rank > 128, or
+    where the tuned config says vLLM's kernel wins ("stock").
     """
     if fully_sharded:
         raise UnsupportedMoeLoraCall("fully_sharded needs a collective between shrink and expand")
@@ -166,6 +167,8 @@ def fused_moe_lora(
     if config is None:
         key = ShapeKey(k, n, len(lora_a), rank, num_experts, top_k_num, sorted_form, str(x.dtype))
         config = lookup(gpu, key, num_pairs, sm_count)
+    if config.variant == "stock":
+        raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
     block_r = max(16, triton.next_power_of_2(rank))
     out2d = output.view(num_pairs, output.shape[2])
     a1 = lora_a[-1]

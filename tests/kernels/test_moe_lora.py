@@ -15,6 +15,7 @@ import torch
 from moe_lora_cases import Case, check_against_reference
 
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
+from loraplex.kernels.moe_lora_op import UnsupportedMoeLoraCall
 
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32, npid=2)
@@ -100,3 +101,10 @@ def test_tuned_lookup_path_matches_reference(name: str) -> None:
     """No config passed: the op looks one up (the fallback on a machine with no tuned file)."""
     err = check_against_reference(CASES[name], None, torch.float16, DEVICE, seed=11)
     assert err < _tolerance(torch.float16), err
+
+
+def test_stock_config_declines_the_call() -> None:
+    """Where the tuner measured vLLM's kernel faster, the op refuses and the plugin hands over."""
+    stock = MoeLoraConfig("stock", block_k=64, block_n=64)
+    with pytest.raises(UnsupportedMoeLoraCall, match="vLLM's own kernel is faster"):
+        check_against_reference(CASES["t1_k8_e128_r32_a8"], stock, torch.float32, DEVICE, seed=1)
