@@ -58,6 +58,7 @@ def engine_lock() -> Iterator[None]:
 def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
     """Start loraplex with `config` (the YAML config file's content); stop it on exit."""
     port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "loraplex.yaml"
     config = {**config, "http": {**config.get("http", {}), "port": port}}
     config.setdefault("registry", {}).setdefault("store", str(workdir / "store"))
