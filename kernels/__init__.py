@@ -1,1 +1,13 @@
-"""Triton kernels for LoRA on Mixture-of-Experts layers, with torch references and a vLLM plugin."""
+"""Triton kernels for LoRA on Mixture-of-Experts layers, with torch references and a vLLM plugin.
+
+- `moe_lora_op.fused_moe_lora`: vLLM 0.26's `fused_moe_lora` signature, our kernels
+  (`moe_lora_triton`), spec in `moe_lora_reference`, tuned configs in `configs/` read by
+  `moe_lora_configs` and written by `tune_moe_lora` (or `bench/kernels/bench_moe_lora.py --tune`).
+- `lora_dense_op.lora_dense`: dense (attention) LoRA for decode batches, kernels in
+  `lora_dense_triton`, spec beside it.
+- `plugin.register()`: the `vllm.general_plugins` entry point; switched off by
+  LORAPLEX_ENGINE__MOE_LORA_KERNELS=0.
+
+Importing this package imports nothing heavy; the modules import only torch and triton (the
+plugin imports vLLM inside `register()`).
+"""
