@@ -21,7 +21,14 @@ from typing import Any
 from bench.registry.common import append_rows, stamp
 from tests.support.server_process import ServerProcess
 
-ENGINE_FLAGS = {"max_model_len": 2048, "max_loras": 4, "max_cpu_loras": 8, "max_lora_rank": 16}
+ENGINE_FLAGS = {
+    "max_model_len": 2048,
+    "max_loras": 4,
+    "max_cpu_loras": 8,
+    "max_lora_rank": 16,
+    # Named for both servers: loraplex would pick it on AVX2 CPUs, vLLM would pick bf16.
+    "dtype": "float32",
+}
 
 
 def vllm_server(model_dir: Path, name: str) -> ServerProcess:
