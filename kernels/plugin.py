@@ -19,6 +19,8 @@ settings layer exports before the engine starts and vLLM's processes inherit. "0
 or "off" turn it off; unset means on.
 """
 
+# The kernel modules are imported only when registering: importing this module (as the server
+# does) must not create Triton kernels, which pick compiled or interpreted mode at creation.
 import enum
 import logging
 import os
@@ -26,9 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from .lora_dense_op import UnsupportedDenseCall, lora_dense
-from .moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora
 
 ENV_SWITCH = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
 SUPPORTED_VLLM = ("0.26.",)
@@ -62,6 +61,7 @@ def _define_op(original: Callable[..., None]) -> Any:
     implementation, used for the calls ours does not cover. Defined once per process."""
     if hasattr(torch.ops.loraplex, "fused_moe_lora"):
         return torch.ops.loraplex.fused_moe_lora
+    from .moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora
 
     @torch.library.custom_op(OP_NAME, mutates_args=("output",))
     def op(
@@ -125,6 +125,7 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
     for decode batches, vLLM's `shrink` and `expand` (its eager implementations) otherwise."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
+    from .lora_dense_op import UnsupportedDenseCall, lora_dense
 
     @torch.library.custom_op(DENSE_OP_NAME, mutates_args=("y",))
     def op(
