@@ -79,7 +79,7 @@ class Cluster:
             self.servers.pop("a").stop()
 
     def start_b(self) -> ServerProcess:
-        self.servers["b"] = ServerProcess(env=self.env("b", self.proxy.url)).start()
+        self.servers["b"] = ServerProcess(env=self.env("b", self.proxy.url)).start(timeout=600)
         return self.b
 
     def source(self, name: str, seed: int, rank: int = 8) -> str:
@@ -110,7 +110,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("cluster"), endpoint, proxy, demo)
     c.s3.create_bucket(Bucket=BUCKET)
     try:
-        c.servers["a"] = ServerProcess(env=c.env("a", endpoint)).start()
+        c.servers["a"] = ServerProcess(env=c.env("a", endpoint)).start(timeout=600)
         c.start_b()
         yield c
     finally:
