@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "-" if a is None else f"{a['output_tokens_per_s']:.1f}",
             f"{b['output_tokens_per_s']:.1f}",
         )
-    Console().print(table)
+    Console(width=160).print(table)
     result = {
         "machine": platform.node(),
         "processor": platform.processor() or platform.machine(),

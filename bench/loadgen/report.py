@@ -94,7 +94,7 @@ def print_table(summary: dict[str, Any], console: Console | None = None) -> None
             f"{t['output_tokens_per_s']:.1f}",
             f"{t['goodput_rps']:.2f}",
         )
-    (console or Console()).print(table)
+    (console or Console(width=160)).print(table)
 
 
 def write_outputs(summary: dict[str, Any], samples: list[Sample], out: Path) -> tuple[Path, Path]:
