@@ -19,16 +19,16 @@ import argparse
 import asyncio
 import json
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from bench.loadgen.client import Sample, run_workload
 from bench.loadgen.report import print_table, summarize, write_outputs
-from bench.loadgen.server import live_server
+from bench.loadgen.server import LiveServer, live_server
 from bench.loadgen.workload import Workload
 
 KEYS = {"a": "tenant-a-key-for-fairness-0123456789", "b": "tenant-b-key-for-fairness-0123456789"}
@@ -52,6 +52,7 @@ def workload(base_url: str, args: argparse.Namespace, tenants: list[str]) -> Wor
             "base_url": base_url,
             "duration_s": args.duration,
             "warmup_requests": 2,
+            "drain_s": 10.0,
             "seed": 7,
             "tenants": [
                 {
@@ -67,11 +68,27 @@ def workload(base_url: str, args: argparse.Namespace, tenants: list[str]) -> Wor
     )
 
 
-def run(base_url: str, args: argparse.Namespace, tenants: list[str], name: str) -> dict[str, Any]:
-    wl = workload(base_url, args, tenants)
+def server_side(server: LiveServer, samples: list[Sample], tenant: str) -> dict[str, float]:
+    """Medians of the server's own queue time and TTFT for `tenant`'s measured requests."""
+    ids = {s.request_id for s in samples if s.tenant == tenant and s.ok}
+    lines = [json.loads(x) for x in server.log_text().splitlines() if x.startswith('{"request_id"')]
+    mine = [x for x in lines if x["request_id"] in ids]
+    return {
+        "queue_ms_p50": float(np.median([x["queue_ms"] for x in mine])),
+        "queue_ms_p90": float(np.percentile([x["queue_ms"] for x in mine], 90)),
+        "ttft_ms_p50": float(np.median([x["ttft_ms"] for x in mine])),
+    }
+
+
+def run(
+    server: LiveServer, args: argparse.Namespace, tenants: list[str], name: str
+) -> dict[str, Any]:
+    wl = workload(server.base_url, args, tenants)
     samples: list[Sample]
     samples, wall_s = asyncio.run(run_workload(wl))
     summary = summarize(wl, samples, wall_s)
+    summary["server_side"] = {t: server_side(server, samples, t) for t in tenants}
+    print(f"{name}: server-side {summary['server_side']}")
     print_table(summary)
     write_outputs(summary, samples, args.out_dir / f"fairness-{name}-{summary['commit']}")
     return summary
@@ -88,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        with live_server(server_config(args.max_running, 256), Path(tmp, "fair")) as server:
-            runs["b_alone"] = run(server.base_url, args, ["b"], "b_alone")
-            runs["fair"] = run(server.base_url, args, ["a", "b"], "fair")
-        with live_server(server_config(4096, 4096), Path(tmp, "reference")) as server:
-            runs["reference"] = run(server.base_url, args, ["a", "b"], "reference")
+    logs = args.out_dir / "tmp" / "fairness"  # server logs (access lines) stay for inspection
+    with live_server(server_config(args.max_running, 256), logs / "fair") as server:
+        runs["b_alone"] = run(server, args, ["b"], "b_alone")
+        runs["fair"] = run(server, args, ["a", "b"], "fair")
+    with live_server(server_config(4096, 4096), logs / "reference") as server:
+        runs["reference"] = run(server, args, ["a", "b"], "reference")
 
     alone = runs["b_alone"]["tenants"]["b"]["ttft_s"]["p90"]
     table = Table(title=f"B's p90 TTFT, A at {FLOOD_FACTOR}x B's offered load")

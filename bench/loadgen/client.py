@@ -154,7 +154,15 @@ class TenantSender:
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             tasks.append(asyncio.create_task(self.send()))
             next_at += self._rng.expovariate(rate)
-        return list(await asyncio.gather(*tasks))
+        drain = max(0.0, deadline + self._workload.drain_s - time.perf_counter())
+        done, pending = await asyncio.wait(tasks, timeout=drain) if tasks else (set(), set())
+        for task in pending:  # still queued or streaming: the client gives up on them
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        abandoned = [Sample(self.tenant.name, None, 0.0, status=0, error="abandoned")] * len(
+            pending
+        )
+        return [t.result() for t in tasks if t in done] + abandoned
 
 
 async def base_model_name(workload: Workload) -> str:

@@ -65,6 +65,12 @@ class Workload(BaseModel):
     model: str | None = Field(default=None, description="Base model name; default: first listed")
     duration_s: float = Field(default=30.0, gt=0)
     warmup_requests: int = Field(default=2, ge=0, description="Per tenant, not measured.")
+    drain_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="After duration_s, wait this long for open requests, "
+        "then cancel them (counted as errors with status 0, `abandoned`).",
+    )
     seed: int = 0
     vocab_low: int = Field(default=1000, ge=0)
     vocab_high: int = Field(default=40000, ge=1)
