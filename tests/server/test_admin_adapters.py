@@ -61,6 +61,9 @@ class Cluster:
     def env(self, name: str, endpoint: str) -> dict[str, str]:
         return {
             **CREDS,
+            # One core each: with vLLM's auto binding both engines take core 0, and A's idle
+            # worker (which polls its core) starved B's start for minutes on a 2-core machine.
+            "VLLM_CPU_OMP_THREADS_BIND": "0" if name == "a" else "1",
             "LORAPLEX_ENGINE__MODEL": str(self.model_dir),
             "LORAPLEX_ENGINE__SERVED_MODEL_NAME": BASE_MODEL,
             "LORAPLEX_ENGINE__MAX_LORAS": "2",
