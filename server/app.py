@@ -15,7 +15,7 @@ from loraplex.adapters_registry.store import ObjectStore
 from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
-from loraplex.server.generation import Gateway, InFlightLimit
+from loraplex.server.generation import Gateway
 from loraplex.server.metrics import METRICS_CONTENT_TYPE, GatewayMetrics, exposition
 from loraplex.server.model_choice import choose_served_model
 from loraplex.server.routes import admin_adapters, admin_tenants, health, openai
@@ -72,7 +72,6 @@ def create_app(settings: Settings) -> FastAPI:
                     engine=engine,
                     adapters=adapters,
                     base_model=served.name,
-                    in_flight=InFlightLimit(settings.engine.max_pending_requests),
                     tenancy=tenancy,
                 )
                 yield

@@ -7,6 +7,7 @@ here). The body is always `{"error": {"message", "type", "param", "code"}}`, as 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -114,10 +115,17 @@ def as_api_error(error: AdapterError) -> ApiError:
 
 
 def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str]:
-    """('messages.0.role', "`messages.0.role`: Input should be 'system', 'user' or ...")."""
+    """('messages.0.role', "`messages.0.role`: Input should be 'system', 'user' or ...").
+
+    Checks across fields report no location; their message names the field first, in backticks.
+    """
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or "body"
-    return param, f"`{param}`: {err.get('msg', 'invalid value')}"
+    message = err.get("msg", "invalid value")
+    if not loc:
+        named = re.search(r"`([A-Za-z_][A-Za-z_0-9.]*)`", message)
+        return (named.group(1) if named else "body"), message
+    param = ".".join(loc)
+    return param, f"`{param}`: {message}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

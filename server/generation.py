@@ -1,29 +1,34 @@
 """One completion request from parsed body to response: the steps of the README's lifecycle.
 
-resolve model -> lease adapter -> tokenize and check context -> admit (in-flight bound)
--> stream deltas from the engine -> whole JSON or SSE chunks. The engine request is aborted if the
-client goes away (streaming: Starlette cancels the body iterator; whole responses: a watcher
-cancels the collection when the client disconnects).
+check access -> tokenize, check context, build sampling params (every 400 before any work) ->
+admit (tenant quotas, bounded fair queue) -> lease the adapter (a cold one is fetched and loaded)
+-> wait for the fair engine slot and stream deltas -> whole JSON or SSE chunks.
+
+The engine request is aborted if the client goes away. Streaming: `_ClosingStream` closes the
+body iterator whatever ends the response (Starlette cancels it on disconnect but never closes a
+generator parked at a `yield`), so engine request, lease and queue slot are released in order.
+Whole responses: a watcher cancels the collection when the client disconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.adapters_registry.base import AdapterNotFound, AdapterSource, ServableAdapter
 from loraplex.server.access_log import record_of
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.engine.sampling import to_sampling_params
-from loraplex.server.errors import ApiError, EngineOverloaded, ModelNotFound
+from loraplex.server.errors import ApiError, InvalidRequest, ModelNotFound, error_body
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.responses import (
@@ -39,24 +44,11 @@ from loraplex.server.responses import (
 from loraplex.server.tenancy.model import Tenant
 from loraplex.server.tenancy.service import Admitted, Tenancy
 
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
-@dataclass
-class InFlightLimit:
-    """Bounds requests admitted to the engine; beyond it the server answers 503 at once."""
-
-    limit: int
-    current: int = 0
-
-    def acquire(self) -> None:
-        if self.current >= self.limit:
-            raise EngineOverloaded(
-                f"The server is overloaded ({self.limit} requests in flight); retry shortly.",
-                headers={"Retry-After": "1"},
-            )
-        self.current += 1
-
-    def release(self) -> None:
-        self.current -= 1
+# nginx's code for "client closed request": what the access log records for a client that left.
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass
@@ -66,30 +58,33 @@ class Gateway:
     engine: EngineClient
     adapters: AdapterSource
     base_model: str
-    in_flight: InFlightLimit
     tenancy: Tenancy
+    created: int = field(default_factory=lambda: int(time.time()))  # for /v1/models
 
 
 @dataclass
 class Prepared:
     meta: ResponseMeta
     prompt_ids: list[int]
-    max_tokens: int
-    adapter: ServableAdapter | None
+    params: SamplingParams
+    adapter: ServableAdapter | None = None  # set by `complete` once leased
     admitted: Admitted = field(init=False)  # set by `complete` once tenancy admits the request
 
 
-async def _prepare(
-    gw: Gateway, body: ChatCompletionRequest | CompletionRequest, adapter: ServableAdapter | None
-) -> Prepared:
+def _prepare(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    """Everything that can be refused with a 400, done before any queueing or adapter loading."""
     tokenizer = gw.engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         ids, kind, prefix = chat_prompt_ids(tokenizer, body), "chat", "chatcmpl-"
     else:
         ids, kind, prefix = completion_prompt_ids(tokenizer, body), "text", "cmpl-"
     max_tokens = output_budget(body, len(ids), gw.engine.max_model_len)
+    try:
+        params = to_sampling_params(body, max_tokens)
+    except Exception as e:  # vLLM's own checks (VLLMValidationError is not a ValueError)
+        raise InvalidRequest(str(e), param=getattr(e, "parameter", None)) from e
     meta = ResponseMeta(kind=kind, id=prefix + uuid.uuid4().hex, model=body.model)  # type: ignore[arg-type]
-    return Prepared(meta, ids, max_tokens, adapter)
+    return Prepared(meta, ids, params)
 
 
 def _append_logprobs(
@@ -113,10 +108,11 @@ def _append_logprobs(
 
 async def _deltas(
     gw: Gateway, body: Any, prep: Prepared, choices: dict[int, ChoiceState]
-) -> AsyncIterator[tuple[ChoiceState, str, Any]]:
+) -> AsyncGenerator[tuple[ChoiceState, str, Any], None]:
     """(choice, new text, new logprobs) for each delta of each choice, in engine order."""
-    params = to_sampling_params(body, prep.max_tokens)
-    stream = prep.admitted.generate(gw.engine, prep.prompt_ids, params, prep.adapter, prep.meta.id)
+    stream = prep.admitted.generate(
+        gw.engine, prep.prompt_ids, prep.params, prep.adapter, prep.meta.id
+    )
     async with aclosing(stream):
         async for output in stream:
             for out in output.outputs:
@@ -131,8 +127,9 @@ async def _deltas(
 
 async def _collect(gw: Gateway, body: Any, prep: Prepared) -> dict[str, Any]:
     choices: dict[int, ChoiceState] = {}
-    async for _ in _deltas(gw, body, prep, choices):
-        pass
+    async with aclosing(_deltas(gw, body, prep, choices)) as deltas:
+        async for _ in deltas:
+            pass
     return whole_response(prep.meta, list(choices.values()), len(prep.prompt_ids))
 
 
@@ -140,27 +137,53 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-async def _stream(
-    gw: Gateway, body: Any, prep: Prepared, release: Callable[[], Awaitable[None]]
-) -> AsyncIterator[bytes]:
+async def _stream(request: Request, gw: Gateway, body: Any, prep: Prepared) -> AsyncIterator[bytes]:
     choices: dict[int, ChoiceState] = {}
+    # Chat streams open with the assistant's role, sent with the first token rather than at once:
+    # clients time TTFT from the first chunk.
+    announced = prep.meta.kind != "chat"
     try:
-        if prep.meta.kind == "chat":
-            for i in range(body.n):
-                yield _sse(chunk(prep.meta, i, "", None, role=True))
-        try:
-            async for state, text, logprobs in _deltas(gw, body, prep, choices):
+        async with aclosing(_deltas(gw, body, prep, choices)) as deltas:
+            async for state, text, logprobs in deltas:
+                if not announced:
+                    announced = True
+                    for i in range(body.n):
+                        yield _sse(chunk(prep.meta, i, "", None, role=True))
                 if text or logprobs or state.finish_reason:
                     yield _sse(chunk(prep.meta, state.index, text, state.finish_reason, logprobs))
-        except ApiError as e:  # headers are sent: report the error in-band, as OpenAI does
-            yield _sse({"error": {"message": e.message, "type": e.type, "code": e.code}})
-            return
-        if body.include_usage_in_stream:
-            completion = sum(c.token_count for c in choices.values())
-            yield _sse(usage_chunk(prep.meta, len(prep.prompt_ids), completion))
-        yield b"data: [DONE]\n\n"
-    finally:
-        await release()
+    except ApiError as e:  # headers are sent: report the error in-band, as OpenAI does
+        record = record_of(request)
+        if record is not None:
+            record.error_type = e.code
+        yield _sse(error_body(e.message, e.type, e.code, e.param))
+        return
+    if body.include_usage_in_stream:
+        completion = sum(c.token_count for c in choices.values())
+        yield _sse(usage_chunk(prep.meta, len(prep.prompt_ids), completion))
+    yield b"data: [DONE]\n\n"
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes the body iterator, then releases what the request holds, however the response ends
+    (finished, client gone, send failed, or never started)."""
+
+    def __init__(self, body: AsyncIterator[bytes], owned: AsyncExitStack) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._body = body
+        self._owned = owned
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._body.aclose()  # type: ignore[attr-defined]
+            finally:
+                await self._owned.aclose()
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -191,39 +214,36 @@ async def complete(
     gw: Gateway,
     body: ChatCompletionRequest | CompletionRequest,
     tenant: Tenant,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     """Serve one chat or text completion, whole or streamed."""
+    is_adapter = body.model != gw.base_model
+    if is_adapter and not tenant.may_use(body.model):  # another tenant's: exactly "not found"
+        raise ModelNotFound(body.model)
+    prep = _prepare(gw, body)
     stack = AsyncExitStack()
     try:
-        adapter = None
-        if body.model != gw.base_model:
-            if not tenant.may_use(body.model):  # another tenant's adapter: exactly "not found"
-                raise ModelNotFound(body.model)
-            try:
-                adapter = await stack.enter_async_context(gw.adapters.lease(body.model))
-            except AdapterNotFound as e:
-                raise ModelNotFound(body.model) from e
-        prep = await _prepare(gw, body, adapter)
-        gw.in_flight.acquire()
-        stack.callback(gw.in_flight.release)
+        # Quotas and the queue bound come before the lease, so a refused request never fetches
+        # or loads an adapter (which could evict other tenants' adapters from the engine).
         prep.admitted = gw.tenancy.admit(
             tenant,
             record_of(request),
             model=body.model,
-            adapter=None if adapter is None else body.model,
+            adapter=body.model if is_adapter else None,
             prompt_tokens=len(prep.prompt_ids),
-            max_tokens=prep.max_tokens,
+            max_tokens=prep.params.max_tokens or 0,
         )
         stack.callback(prep.admitted.close)
+        if is_adapter:
+            try:
+                prep.adapter = await stack.enter_async_context(gw.adapters.lease(body.model))
+            except AdapterNotFound as e:
+                raise ModelNotFound(body.model) from e
         if body.stream:
-            # From here the stream owns the lease and the in-flight slot; it releases both.
-            owned = stack.pop_all()
-            return StreamingResponse(
-                _stream(gw, body, prep, owned.aclose),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            # From here the response owns the lease and the queue slot; it releases both.
+            return _ClosingStream(_stream(request, gw, body, prep), stack.pop_all())
         result = await _collect_unless_disconnected(request, gw, body, prep)
-        return JSONResponse(result if result is not None else {})
+        if result is None:  # the client left; nobody reads this, the access log does
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(result)
     finally:
         await stack.aclose()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.server.engine.sampling import COMPLETIONS_DEFAULT_MAX_TOKENS
 from loraplex.server.errors import ContextLengthExceeded, InvalidRequest
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
+
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def chat_prompt_ids(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
@@ -29,9 +31,7 @@ def completion_prompt_ids(tokenizer: Any, request: CompletionRequest) -> list[in
     first = prompt[0]
     if isinstance(first, str):
         return list(tokenizer.encode(first))
-    if isinstance(first, list):
-        return list(first)
-    ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+    ids = [int(t) for t in (first if isinstance(first, list) else prompt)]  # type: ignore[arg-type]
     vocab = len(tokenizer)
     if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequest(f"`prompt`: token ids must be in [0, {vocab})", param="prompt")

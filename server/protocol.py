@@ -79,10 +79,21 @@ class SamplingFields(BaseModel):
         return stops
 
     @model_validator(mode="after")
-    def _check_stream_options(self) -> SamplingFields:
+    def _check_combinations(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed when `stream` is true")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError("`n` must be 1 when `temperature` is 0 (greedy choices are identical)")
+        limit = self.output_limit
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise ValueError(
+                f"`min_tokens` ({self.min_tokens}) must be <= the output limit ({limit})"
+            )
         return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -128,7 +139,3 @@ class CompletionRequest(SamplingFields):
         if self.echo:
             raise ValueError("`echo` is not supported")
         return self
-
-    @property
-    def output_limit(self) -> int | None:
-        return self.max_tokens

@@ -13,15 +13,26 @@ from typing import Any, Literal
 Kind = Literal["chat", "text"]
 
 
-def _token_entry(tokenizer: Any, token_id: int, logprob: Any) -> dict[str, Any]:
+# -inf (a token the sampler masked) is not JSON; OpenAI reports such tokens as -9999.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(logprob: Any) -> float:
+    return max(float(logprob.logprob), MIN_LOGPROB)
+
+
+def _ranked(position: dict[int, Any], top: int) -> list[tuple[int, Any]]:
+    return sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
+
+
+def _token_text(tokenizer: Any, token_id: int, logprob: Any) -> str:
     text = logprob.decoded_token
-    if text is None:
-        text = tokenizer.decode([token_id])
-    return {
-        "token": text,
-        "logprob": max(float(logprob.logprob), -9999.0),
-        "bytes": list(text.encode()),
-    }
+    return tokenizer.decode([token_id]) if text is None else str(text)
+
+
+def _token_entry(tokenizer: Any, token_id: int, logprob: Any) -> dict[str, Any]:
+    text = _token_text(tokenizer, token_id, logprob)
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Any, top: int) -> list[dict]:
@@ -29,8 +40,7 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Any, top: int)
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=False):
         entry = _token_entry(tokenizer, token_id, position[token_id])
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
-        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in ranked]
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in _ranked(position, top)]
         content.append(entry)
     return content
 
@@ -49,9 +59,8 @@ def text_logprobs(
         entry = _token_entry(tokenizer, token_id, position[token_id])
         out["tokens"].append(entry["token"])
         out["token_logprobs"].append(entry["logprob"])
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
         out["top_logprobs"].append(
-            {_token_entry(tokenizer, t, lp)["token"]: float(lp.logprob) for t, lp in ranked}
+            {_token_text(tokenizer, t, lp): _logprob(lp) for t, lp in _ranked(position, top)}
         )
         out["text_offset"].append(offset)
         offset += len(entry["token"])
@@ -77,6 +86,10 @@ class ResponseMeta:
     @property
     def object_name(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def chunk_object_name(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -137,7 +150,7 @@ def chunk(
         choice["logprobs"] = logprobs
     return {
         "id": meta.id,
-        "object": meta.object_name + ".chunk" if meta.kind == "chat" else meta.object_name,
+        "object": meta.chunk_object_name,
         "created": meta.created,
         "model": meta.model,
         "choices": [choice],
@@ -147,7 +160,7 @@ def chunk(
 def usage_chunk(meta: ResponseMeta, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "id": meta.id,
-        "object": meta.object_name + ".chunk" if meta.kind == "chat" else meta.object_name,
+        "object": meta.chunk_object_name,
         "created": meta.created,
         "model": meta.model,
         "choices": [],

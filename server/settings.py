@@ -56,11 +56,6 @@ class EngineSettings(BaseModel):
         2, ge=1, description="KV cache size on CPU engines (VLLM_CPU_KVCACHE_SPACE), in GiB."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (debugging only).")
-    max_pending_requests: int = Field(
-        256,
-        ge=1,
-        description="Requests admitted to the engine at once; more are answered 503 (overloaded).",
-    )
     seed: int = Field(0, description="Engine seed, for reproducible sampling with `seed` unset.")
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."

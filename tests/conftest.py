@@ -10,9 +10,11 @@ from tests.support.server_process import ServerProcess
 
 # The embedded server used by the API tests. fp32 so greedy tokens can be compared with
 # transformers + PEFT in fp32 (vLLM on CPU computes a bf16 checkpoint in bf16 otherwise).
+# A small fair-dispatch bound (4 in the engine, 4 waiting) so the overload test can fill it.
 EMBEDDED_ENV = {
     "LORAPLEX_ENGINE__DTYPE": "float32",
-    "LORAPLEX_ENGINE__MAX_PENDING_REQUESTS": "8",
+    "LORAPLEX_TENANCY__MAX_RUNNING": "4",
+    "LORAPLEX_TENANCY__MAX_QUEUED": "4",
 }
 
 

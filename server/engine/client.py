@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _is_client_error(error: Exception) -> bool:
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # vLLM 0.26 raises ValueError for bad input
+        return isinstance(error, ValueError)
+    return isinstance(error, (ValueError, VLLMValidationError))
+
+
 class EngineIdConflict(RuntimeError):
     """An engine id was offered for a second, different adapter version."""
 
@@ -98,11 +106,11 @@ class EngineClient:
             async for output in stream:
                 finished = output.finished
                 yield output
-        except ValueError as e:  # vLLM's input validation (e.g. a token id out of vocabulary)
-            raise InvalidRequest(str(e)) from e
         except Exception as e:
             if self._engine.errored:
                 raise EngineUnavailable("The inference engine stopped.") from e
+            if _is_client_error(e):  # vLLM's input checks (VLLMValidationError is no ValueError)
+                raise InvalidRequest(str(e), param=getattr(e, "parameter", None)) from e
             raise
         finally:
             if not finished:

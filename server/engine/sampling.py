@@ -9,9 +9,6 @@ from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-# OpenAI's default for /v1/completions; chat defaults to the rest of the context.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
 
 def to_sampling_params(
     request: ChatCompletionRequest | CompletionRequest, max_tokens: int

@@ -19,7 +19,7 @@ async def health(request: Request) -> JSONResponse:
         {
             "status": "ok",
             "engine": {"unfinished_requests": gateway.engine.unfinished_requests()},
-            "in_flight": gateway.in_flight.current,
+            "dispatcher": gateway.tenancy.admission.dispatcher.totals(),
         }
     )
 

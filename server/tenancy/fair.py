@@ -206,5 +206,9 @@ class FairDispatcher:
         queue = self._tenants.get(tenant_id)
         return queue.running if queue else 0
 
+    def totals(self) -> dict[str, int]:
+        """Requests in the engine and waiting, over all tenants."""
+        return {"running": self._running, "queued": self._queued}
+
     def tenant_ids(self) -> list[str]:
         return list(self._tenants)

@@ -209,6 +209,31 @@ def test_invalid_field_is_400_naming_field_and_bound(
     assert param in error["message"] and bound in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"n": 2, "temperature": 0}, "n", "must be 1 when `temperature` is 0"),
+        ({"min_tokens": 50, "max_tokens": 10}, "min_tokens", "must be <= the output limit"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
+        ({"logprobs": 9}, "logprobs", "less than or equal to 5"),
+    ],
+)
+def test_invalid_combinations_are_400_naming_the_field(
+    client: openai.OpenAI, body: dict, param: str, words: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=BASE, prompt="Hi", extra_body=body)
+    error = _error(e.value)
+    assert error["param"] == param and words in error["message"]
+
+
+@pytest.mark.parametrize("prompt", [[49152], [-1], [[5, 49152]]])
+def test_token_ids_out_of_vocabulary_are_400(client: openai.OpenAI, prompt: list) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=BASE, prompt=prompt, max_tokens=2)
+    assert _error(e.value)["param"] == "prompt"
+
+
 def test_prompt_longer_than_context_is_400(client: openai.OpenAI) -> None:
     long_prompt = "sea " * 3000
     with pytest.raises(openai.BadRequestError) as e:
@@ -230,14 +255,14 @@ def test_malformed_json_is_400_envelope(embedded_server: ServerProcess) -> None:
 
 
 def test_overload_is_503(embedded_server: ServerProcess, aclient: openai.AsyncOpenAI) -> None:
-    """The session server admits 8 requests at once (EMBEDDED_ENV); the rest get 503."""
+    """The session server runs 4 requests and queues 4 (EMBEDDED_ENV); the rest get 503."""
 
     async def long_request() -> int:
         try:
             stream = await aclient.completions.create(
                 model=BASE,
                 prompt="Count:",
-                max_tokens=300,
+                max_tokens=100,
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},
@@ -246,7 +271,7 @@ def test_overload_is_503(embedded_server: ServerProcess, aclient: openai.AsyncOp
                 pass
             return 200
         except openai.APIStatusError as e:
-            assert e.status_code != 503 or _error(e)["code"] == "engine_overloaded"
+            assert e.status_code != 503 or _error(e)["code"] == "queue_full"
             return e.status_code
 
     async def flood() -> list[int]:
@@ -276,10 +301,11 @@ def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess)
     # The connection is closed mid-stream; the engine must drop the request.
     for _ in range(100):
         health = httpx.get(url + "/health").json()
-        if health["engine"]["unfinished_requests"] == 0 and health["in_flight"] == 0:
+        if health["engine"]["unfinished_requests"] == 0 and health["dispatcher"]["running"] == 0:
             break
         asyncio.run(asyncio.sleep(0.1))
-    assert health["engine"]["unfinished_requests"] == 0 and health["in_flight"] == 0
+    assert health["engine"]["unfinished_requests"] == 0
+    assert health["dispatcher"] == {"running": 0, "queued": 0}
     assert _vllm_gauge(url, "vllm:num_requests_running") == 0
     after = httpx.post(
         url + "/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 3}
