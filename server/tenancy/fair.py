@@ -44,8 +44,8 @@ class _TenantQueue:
     waiting: deque[_Waiter] = field(default_factory=deque)
     running: int = 0
     last_finish_tag: float = 0.0
-    peak: int = 0
-    peak_at: float = 0.0
+    # (time, load) at every change within the active window: the window's peak is the demand.
+    history: deque[tuple[float, int]] = field(default_factory=deque)
     seen_at: float = 0.0
 
     @property
@@ -155,14 +155,15 @@ class FairDispatcher:
     def _touch(self, queue: _TenantQueue) -> None:
         now = self._clock()
         queue.seen_at = now
-        if queue.load >= queue.peak or now - queue.peak_at > self.active_window_s:
-            queue.peak, queue.peak_at = queue.load, now
+        queue.history.append((now, queue.load))
+        while queue.history and now - queue.history[0][0] > self.active_window_s:
+            queue.history.popleft()
 
     def _caps(self) -> dict[str, float]:
         """Weighted max-min division of the slots over active tenants' demands (water-filling)."""
         now = self._clock()
         demands = {
-            tid: (q.weight, max(q.peak, q.load) + 1)
+            tid: (q.weight, max([q.load, *(load for _, load in q.history)]) + 1)
             for tid, q in self._tenants.items()
             if q.load or now - q.seen_at <= self.active_window_s
         }
