@@ -147,3 +147,30 @@ def test_queue_time_is_measured() -> None:
         return queued
 
     assert 0.04 <= run(scenario()) < 1.0
+
+
+def test_headroom_follows_the_peak_within_the_window() -> None:
+    """B's demand is its highest load in the last `active_window_s`, even after idle moments.
+
+    (Measured on the CPU machine: when the peak was forgotten at B's first idle moment, A took
+    the freed slots and B's next requests queued behind A's completions, p50 1.9 s.)
+    """
+    now = [0.0]
+    d = FairDispatcher(max_running=8, max_queued=1000, active_window_s=10.0, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        burst = [d.enqueue("b", 1.0) for _ in range(3)]  # t=0: B's load peaks at 3
+        now[0] = 5.0  # t=5: B's load is 2, then 1, then 0
+        for t in burst:
+            t.close()
+        now[0] = 11.0  # the t=0 peak has left the window; the t=5 load of 2 has not
+        probe = d.enqueue("b", 1.0)
+        probe.close()
+        flood = [d.enqueue("a", 1.0) for _ in range(50)]
+        assert sum(t.dispatched for t in flood) == 5  # 8 slots minus B's demand (2) + 1
+        again = [d.enqueue("b", 1.0) for _ in range(2)]
+        assert all(t.dispatched for t in again)
+        for t in [*flood, *again]:
+            t.close()
+
+    run(scenario())
