@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -10,12 +10,18 @@ from loraplex.server.errors import EngineUnavailable
 from loraplex.server.generation import Gateway
 
 
-def get_gateway(request: Request) -> Gateway:
-    gateway: Gateway | None = getattr(request.app.state, "gateway", None)
-    if gateway is None:
+def app_resource(request: Request, name: str) -> Any:
+    """A resource the app's lifespan put on `app.state`; 503 while the server is still starting."""
+    resource = getattr(request.app.state, name, None)
+    if resource is None:
         raise EngineUnavailable(
             "The server is starting; retry shortly.", headers={"Retry-After": "5"}
         )
+    return resource
+
+
+def get_gateway(request: Request) -> Gateway:
+    gateway: Gateway = app_resource(request, "gateway")
     return gateway
 
 

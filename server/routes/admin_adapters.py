@@ -20,23 +20,13 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from loraplex.adapters_registry.admin import AdapterInfo, EvictTier, ManagedRegistry
-from loraplex.server.errors import EngineUnavailable, NotFound, Unauthenticated
-from loraplex.server.tenancy.keys import same_secret
+from loraplex.server.deps import app_resource
+from loraplex.server.tenancy.deps import AdminDep
 
 
-def _registry(request: Request) -> ManagedRegistry:
-    settings = request.app.state.settings
-    token = settings.http.admin_token
-    if token is None:
-        raise NotFound("The admin API is disabled: set http.admin_token to enable it.")
-    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not same_secret(bearer.strip(), token.get_secret_value()):
-        raise Unauthenticated("The admin API needs `Authorization: Bearer <admin token>`.")
-    registry: ManagedRegistry | None = getattr(request.app.state, "adapter_registry", None)
-    if registry is None:
-        raise EngineUnavailable(
-            "The server is starting; retry shortly.", headers={"Retry-After": "5"}
-        )
+def _registry(request: Request, _: AdminDep) -> ManagedRegistry:
+    """The registry, for the admin token only (the same check as /admin/v1/tenants)."""
+    registry: ManagedRegistry = app_resource(request, "adapter_registry")
     return registry
 
 

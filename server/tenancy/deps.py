@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from loraplex.server.access_log import record_of
-from loraplex.server.errors import EngineUnavailable, NotFound
+from loraplex.server.deps import app_resource
+from loraplex.server.errors import NotFound
 from loraplex.server.tenancy.errors import Unauthorized
 from loraplex.server.tenancy.model import Tenant
 from loraplex.server.tenancy.service import Tenancy
@@ -19,11 +20,7 @@ def bearer_of(request: Request) -> str | None:
 
 
 def get_tenancy(request: Request) -> Tenancy:
-    tenancy: Tenancy | None = getattr(request.app.state, "tenancy", None)
-    if tenancy is None:
-        raise EngineUnavailable(
-            "The server is starting; retry shortly.", headers={"Retry-After": "5"}
-        )
+    tenancy: Tenancy = app_resource(request, "tenancy")
     return tenancy
 
 
