@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import stamp
 from bench.loadgen.client import Sample, run_workload
 from bench.loadgen.report import print_table, summarize, write_outputs
 from bench.loadgen.server import LiveServer, live_server
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     Console(width=160).print(table)
     result = {
-        "machine": platform.node(),
-        "processor": platform.processor() or platform.machine(),
-        "commit": runs["b_alone"]["commit"],
+        **stamp(),
         "config": {k: str(v) for k, v in vars(args).items()},
         "target": "fair ratio_to_alone <= 1.5",
         "rows": rows,

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.adapters_registry.base import AdapterNotFound, AdapterSource, ServableAdapter
 from loraplex.server.access_log import record_of
-from loraplex.server.engine.client import EngineClient
+from loraplex.server.engine.client import EngineClient, is_client_error
 from loraplex.server.engine.sampling import to_sampling_params
 from loraplex.server.errors import ApiError, InvalidRequest, ModelNotFound, error_body
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
@@ -81,7 +81,9 @@ def _prepare(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Pr
     max_tokens = output_budget(body, len(ids), gw.engine.max_model_len)
     try:
         params = to_sampling_params(body, max_tokens)
-    except Exception as e:  # vLLM's own checks (VLLMValidationError is not a ValueError)
+    except Exception as e:
+        if not is_client_error(e):
+            raise
         raise InvalidRequest(str(e), param=getattr(e, "parameter", None)) from e
     meta = ResponseMeta(kind=kind, id=prefix + uuid.uuid4().hex, model=body.model)  # type: ignore[arg-type]
     return Prepared(meta, ids, params)

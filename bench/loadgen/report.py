@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import stamp
 from bench.loadgen.client import Sample
 from bench.loadgen.workload import Workload
 
@@ -52,24 +51,12 @@ def summarize(workload: Workload, samples: list[Sample], wall_s: float) -> dict[
             "offered": {"rate": tenant.rate, "concurrency": tenant.concurrency},
         }
     return {
-        "machine": platform.node(),
-        "processor": platform.processor() or platform.machine(),
-        "commit": _commit(),
+        **stamp(),
         "wall_s": wall_s,
         "slo": workload.slo.model_dump(),
         "workload": workload.model_dump(exclude={"tenants": {"__all__": {"api_key"}}}),
         "tenants": tenants,
     }
-
-
-def _commit() -> str:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        return done.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def print_table(summary: dict[str, Any], console: Console | None = None) -> None:

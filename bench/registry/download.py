@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from bench.registry.common import append_rows, stamp
+from bench.common import append_rows, stamp
 from loraplex.adapters_registry.catalog import FileEntry
 from loraplex.adapters_registry.disk_cache import DiskCache
 from loraplex.adapters_registry.metrics import RegistryMetrics

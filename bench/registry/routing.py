@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from bench.registry.common import append_rows, stamp
+from bench.common import append_rows, stamp
 from loraplex.adapters_registry.base import ServableAdapter
 from loraplex.adapters_registry.catalog import Catalog, FileEntry, VersionRecord
 from loraplex.adapters_registry.lifecycle import build_registry

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.registry.common import append_rows, stamp
+from bench.common import append_rows, stamp
 from tests.support.server_process import ServerProcess
 
 ENGINE_FLAGS = {

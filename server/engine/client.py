@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _is_client_error(error: Exception) -> bool:
+def is_client_error(error: Exception) -> bool:
+    """vLLM's verdict that the request itself is bad (a 400), as opposed to a server fault."""
     try:
         from vllm.exceptions import VLLMValidationError
     except ImportError:  # vLLM 0.26 raises ValueError for bad input
@@ -109,7 +110,7 @@ class EngineClient:
         except Exception as e:
             if self._engine.errored:
                 raise EngineUnavailable("The inference engine stopped.") from e
-            if _is_client_error(e):  # vLLM's input checks (VLLMValidationError is no ValueError)
+            if is_client_error(e):  # vLLM's input checks (VLLMValidationError is no ValueError)
                 raise InvalidRequest(str(e), param=getattr(e, "parameter", None)) from e
             raise
         finally:

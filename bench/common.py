@@ -1,4 +1,4 @@
-"""What every registry benchmark shares: the machine/commit stamp and the JSON-rows output."""
+"""What every benchmark shares: the machine/commit stamp and the JSON-rows output."""
 
 from __future__ import annotations
 
