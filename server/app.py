@@ -3,6 +3,7 @@ because vLLM starts its engine core with `spawn`)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,6 +42,16 @@ async def _tenancy(
         yield tenancy
 
 
+def _freeze_startup_heap() -> None:
+    """Move everything alive after start-up (vLLM, torch, transformers: millions of objects) out
+    of the collector's reach, as vLLM's own API server does. A full collection scans every tracked
+    object while holding the GIL, so it stops the event loop and every stream with it: gen-2
+    collections took 26-350 ms in the gateway by the end of start-up (gc callbacks, 2-core CI
+    machine); after the freeze none over 20 ms was seen through the cold-adapter ITL test."""
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,6 +85,7 @@ def create_app(settings: Settings) -> FastAPI:
                     base_model=served.name,
                     tenancy=tenancy,
                 )
+                _freeze_startup_heap()
                 yield
         finally:
             app.state.gateway = None

@@ -8,7 +8,7 @@ Run engine tests serialized: `flock /tmp/loraplex-engine.lock pytest tests/serve
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -26,8 +26,8 @@ import boto3
 import httpx
 import pytest
 from moto.server import ThreadedMotoServer
-from openai import AsyncOpenAI
 
+from loraplex.adapters_registry.validation import ADAPTER_FILES
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
 from tests.support.s3_fault_proxy import FaultProxy
 from tests.support.server_process import REPO, ServerProcess, free_port
@@ -222,22 +222,17 @@ def test_s3_failure_is_a_503_naming_the_adapter(cluster: Cluster) -> None:
     assert chat(b, "flaky-bot").status_code == 200
 
 
-async def _stream(
-    base_url: str, model: str, tokens: int, times: list[float] | None = None
-) -> list[float]:
-    """Arrival times of every streamed chunk with content (appended to `times` as they come)."""
-    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="none")
-    times = [] if times is None else times
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-    await client.close()
-    return times
+def _cold_first_token(base_url: str, model: str) -> float:
+    """Stream `model` and return when its first token arrived (`time.monotonic()`)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    return time.monotonic()
+    raise AssertionError(f"no token from {model}: {r.status_code}")
 
 
 def _itls(streams: list[list[float]], start: float, end: float) -> list[float]:
@@ -279,50 +274,52 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
     make_cold(b, "cold-bot", cluster.source("cold", 15))
     size = admin(b, "GET", "/cold-bot").json()["size_bytes"]
     # Other tenants' streams: one adapter and the base model, so a GPU slot stays free for the
-    # cold adapter (max_loras=2) and it is not queued behind them in vLLM's scheduler.
-    warm = ["demo-attn", "demo-attn", BASE_MODEL, BASE_MODEL]
-
-    async def steady() -> list[list[float]]:
-        return await asyncio.gather(*(_stream(b.base_url, m, 160) for m in warm))
-
-    async def with_cold() -> tuple[list[list[float]], float, float, float]:
-        live: list[list[float]] = [[] for _ in warm]
-        streams = asyncio.gather(
-            *(_stream(b.base_url, m, 160, live[i]) for i, m in enumerate(warm))
-        )
-        decoding = 0
-        while decoding < 5:  # every stream past its prefill: steady decoding
-            await asyncio.sleep(0.05)
-            decoding = min(len(t) for t in live)
-        cold_start = time.perf_counter()
-        cold = asyncio.create_task(_stream(b.base_url, "cold-bot", 4))
-        async with httpx.AsyncClient(base_url=b.base_url, headers=AUTH) as client:
-            # The S3 transfer window ends when the registry reports the adapter on local disk.
-            tier = "s3"
-            while tier == "s3":
-                await asyncio.sleep(0.05)
-                tier = (await client.get("/admin/v1/adapters/cold-bot")).json()["tier"]
-        on_disk = time.perf_counter()
-        first_token = (await cold)[0]
-        return await streams, cold_start, on_disk, first_token
-
-    base_streams = asyncio.run(steady())
-    base = _itls(base_streams, max(t[4] for t in base_streams), float("inf"))
-    cluster.proxy.slow(size / 5.0)  # the cold adapter's weights take about 5 s to arrive
+    # cold adapter (max_loras=2) and it is not queued behind them in vLLM's scheduler. They are
+    # read by a process of their own (see stream_clock), and steady state is the same streams
+    # just before the cold request: one run, so both windows share the machine's conditions.
+    models = ["demo-attn", "demo-attn", BASE_MODEL, BASE_MODEL]
+    clock = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.stream_clock", "--base-url", b.base_url,
+         "--max-tokens", "1500", *(a for m in models for a in ("--model", m))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert clock.stdin is not None and clock.stdout is not None
     try:
-        streams, cold_start, on_disk, first_token = asyncio.run(with_cold())
+        assert clock.stdout.readline().strip() == "decoding"
+        steady_start = time.monotonic()
+        time.sleep(5.0)
+        cluster.proxy.slow(size / 5.0)  # the cold adapter's weights take about 5 s to arrive
+        try:
+            cold_start = time.monotonic()
+            cold = concurrent.futures.ThreadPoolExecutor(1).submit(
+                _cold_first_token, b.base_url, "cold-bot"
+            )
+            # The S3 transfer window ends when the proxy has sent the last byte of the adapter's
+            # files (watched here, not by polling the server, which would load the server under
+            # test: 20 admin calls a second halved the streams' token rate on 2 cores).
+            while len(cluster.proxy.slow_bodies_sent) < len(ADAPTER_FILES):
+                time.sleep(0.05)
+            on_disk = cluster.proxy.slow_bodies_sent[-1]
+        finally:
+            cluster.proxy.slow(None)
+        first_token = cold.result(timeout=120)
+        clock.stdin.write("stop\n")
+        clock.stdin.flush()
+        streams = json.loads(clock.stdout.readline())
     finally:
-        cluster.proxy.slow(None)
+        clock.kill()
+        clock.wait()
+    steady = _itls(streams, steady_start, cold_start)
     during = _itls(streams, cold_start, on_disk)
     report = {
-        "steady_p50_ms": statistics.median(base) * 1e3, "steady_p99_ms": _p99(base) * 1e3,
+        "steady_p50_ms": statistics.median(steady) * 1e3, "steady_p99_ms": _p99(steady) * 1e3,
         "during_p50_ms": statistics.median(during) * 1e3, "during_p99_ms": _p99(during) * 1e3,
         "s3_fetch_s": on_disk - cold_start, "cold_ttft_s": first_token - cold_start,
-        "samples_during": len(during),
+        "samples_steady": len(steady), "samples_during": len(during),
     }  # fmt: skip
     print("cold-adapter ITL report:", json.dumps(report))
     assert on_disk - cold_start > 4.0  # the fetch really was slow
-    assert len(during) > 50
+    assert len(steady) > 50 and len(during) > 50
     assert report["during_p99_ms"] <= 1.5 * report["steady_p99_ms"], report
 
 

@@ -8,7 +8,8 @@ GETs of keys containing `match` (e.g. "blobs/"), to which the armed faults apply
 - `corrupt(n)`: flip bytes in the body (length unchanged, so only a hash check can tell);
 - `slow(bytes_per_s)`: stream every matching body at that rate (until `slow(None)`).
 
-`hits` counts matching requests, so tests can see that retries happened.
+`hits` counts matching requests, so tests can see that retries happened; `slow_bodies_sent`
+holds when (`time.monotonic()`) each slowed body's last byte was sent.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class FaultProxy:
         self.hits = 0
         self._faults: list[tuple[str, int, str]] = []
         self.rate: float | None = None
+        self.slow_bodies_sent: list[float] = []
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -120,6 +122,7 @@ class FaultProxy:
                     self.wfile.write(data[i : i + step])
                     self.wfile.flush()
                     time.sleep(step / rate)
+                proxy.slow_bodies_sent.append(time.monotonic())
 
             def _error(self, status: int, code: str) -> None:
                 body = (
