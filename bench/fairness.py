@@ -10,7 +10,7 @@ Tenant B sends at `rate` req/s; tenant A at 8x that. Three runs on one machine, 
 Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and writes
 `bench/results/fairness-<commit>.json` plus one PNG chart per run.
 
-    python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 4]
+    python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 8] [--active-window S]
 """
 
 from __future__ import annotations
@@ -30,16 +30,18 @@ from bench.loadgen.client import Sample, run_workload
 from bench.loadgen.report import print_table, summarize, write_outputs
 from bench.loadgen.server import LiveServer, live_server
 from bench.loadgen.workload import Workload
+from loraplex.server.tenancy.settings import TenancySettings
 
 KEYS = {"a": "tenant-a-key-for-fairness-0123456789", "b": "tenant-b-key-for-fairness-0123456789"}
 FLOOD_FACTOR = 8
 
 
-def server_config(max_running: int, max_queued: int) -> dict[str, Any]:
+def server_config(max_running: int, max_queued: int, active_window_s: float) -> dict[str, Any]:
     return {
         "tenancy": {
             "max_running": max_running,
             "max_queued": max_queued,
+            "active_window_s": active_window_s,
             "tenants": [{"id": t, "api_keys": [k]} for t, k in KEYS.items()],
         }
     }
@@ -98,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
     parser.add_argument("--rate", type=float, default=0.5, help="tenant B's requests per second")
     parser.add_argument("--duration", type=float, default=45.0, help="seconds per run")
-    parser.add_argument("--max-running", type=int, default=4, help="tenancy.max_running")
+    parser.add_argument("--max-running", type=int, default=8, help="tenancy.max_running")
+    parser.add_argument(
+        "--active-window", type=float, default=TenancySettings().active_window_s,
+        help="tenancy.active_window_s",
+    )  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
@@ -106,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, dict[str, Any]] = {}
     logs = args.out_dir / "tmp" / "fairness"  # server logs (access lines) stay for inspection
-    with live_server(server_config(args.max_running, 256), logs / "fair") as server:
+    fair = server_config(args.max_running, 256, args.active_window)
+    with live_server(fair, logs / "fair") as server:
         runs["b_alone"] = run(server, args, ["b"], "b_alone")
         runs["fair"] = run(server, args, ["a", "b"], "fair")
-    with live_server(server_config(4096, 4096), logs / "reference") as server:
+    with live_server(server_config(4096, 4096, args.active_window), logs / "reference") as server:
         runs["reference"] = run(server, args, ["a", "b"], "reference")
 
     alone = runs["b_alone"]["tenants"]["b"]["ttft_s"]["p90"]
