@@ -8,7 +8,8 @@ Tenant B sends at `rate` req/s; tenant A at 8x that. Three runs on one machine, 
                 (`max_running` = `max_queued` = 4096: no gateway fairness, vLLM's FCFS only).
 
 Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and writes
-`bench/results/fairness-<commit>.json` plus one PNG chart per run.
+`bench/results/fairness-<commit>-<config>.json` plus one PNG chart per run (the config in the name,
+so runs of one commit with different settings do not overwrite each other).
 
     python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 8] [--active-window S]
 """
@@ -82,6 +83,10 @@ def server_side(server: LiveServer, samples: list[Sample], tenant: str) -> dict[
     }
 
 
+def tag(args: argparse.Namespace) -> str:
+    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}"
+
+
 def run(
     server: LiveServer, args: argparse.Namespace, tenants: list[str], name: str
 ) -> dict[str, Any]:
@@ -92,7 +97,8 @@ def run(
     summary["server_side"] = {t: server_side(server, samples, t) for t in tenants}
     print(f"{name}: server-side {summary['server_side']}")
     print_table(summary)
-    write_outputs(summary, samples, args.out_dir / f"fairness-{name}-{summary['commit']}")
+    stem = f"fairness-{name}-{summary['commit']}-{tag(args)}"
+    write_outputs(summary, samples, args.out_dir / stem)
     return summary
 
 
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "runs": runs,
     }
-    path = args.out_dir / f"fairness-{result['commit']}.json"
+    path = args.out_dir / f"fairness-{result['commit']}-{tag(args)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
