@@ -84,7 +84,9 @@ def server_side(server: LiveServer, samples: list[Sample], tenant: str) -> dict[
 
 
 def tag(args: argparse.Namespace) -> str:
-    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}"
+    """The run's settings for file names, with no dots (the writers take a dot for a suffix)."""
+    text = f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}"
+    return text.replace(".", "p")
 
 
 def run(
