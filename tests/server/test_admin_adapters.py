@@ -295,8 +295,8 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
                 _cold_first_token, b.base_url, "cold-bot"
             )
             # The S3 transfer window ends when the proxy has sent the last byte of the adapter's
-            # files (watched here, not by polling the server, which would load the server under
-            # test: 20 admin calls a second halved the streams' token rate on 2 cores).
+            # files: watched here rather than by polling the server's admin API, whose calls
+            # would share the 2 cores with the streams being measured.
             while len(cluster.proxy.slow_bodies_sent) < len(ADAPTER_FILES):
                 time.sleep(0.05)
             on_disk = cluster.proxy.slow_bodies_sent[-1]
