@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def stamp() -> dict[str, Any]:
