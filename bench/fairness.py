@@ -84,9 +84,8 @@ def server_side(server: LiveServer, samples: list[Sample], tenant: str) -> dict[
 
 
 def tag(args: argparse.Namespace) -> str:
-    """The run's settings for file names, with no dots (the writers take a dot for a suffix)."""
-    text = f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}"
-    return text.replace(".", "p")
+    """The run's settings, for file names."""
+    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}"
 
 
 def run(

@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.adapters_registry.base import AdapterNotFound, AdapterSource, ServableAdapter
 from loraplex.server.access_log import record_of
-from loraplex.server.engine.client import EngineClient, is_client_error
+from loraplex.server.engine.client import EngineClient, as_invalid_request
 from loraplex.server.engine.sampling import to_sampling_params
-from loraplex.server.errors import ApiError, InvalidRequest, ModelNotFound, error_body
+from loraplex.server.errors import ApiError, ModelNotFound, error_body
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.responses import (
@@ -82,9 +82,9 @@ def _prepare(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Pr
     try:
         params = to_sampling_params(body, max_tokens)
     except Exception as e:
-        if not is_client_error(e):
-            raise
-        raise InvalidRequest(str(e), param=getattr(e, "parameter", None)) from e
+        if (invalid := as_invalid_request(e)) is not None:
+            raise invalid from e
+        raise
     meta = ResponseMeta(kind=kind, id=prefix + uuid.uuid4().hex, model=body.model)  # type: ignore[arg-type]
     return Prepared(meta, ids, params)
 

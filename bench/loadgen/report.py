@@ -92,7 +92,8 @@ def write_outputs(summary: dict[str, Any], samples: list[Sample], out: Path) -> 
     import matplotlib.pyplot as plt
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out.with_suffix(".json"), out.with_suffix(".png")
+    # Appended, not `with_suffix`: a name with dots in it (rate0.25) would lose its tail.
+    json_path, png_path = out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
     fig, (ax_ttft, ax_otps) = plt.subplots(1, 2, figsize=(11, 4))
     for name in summary["tenants"]:

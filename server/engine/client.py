@@ -32,13 +32,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def is_client_error(error: Exception) -> bool:
-    """vLLM's verdict that the request itself is bad (a 400), as opposed to a server fault."""
+def as_invalid_request(error: Exception) -> InvalidRequest | None:
+    """The 400 for an error that is vLLM's verdict that the request itself is bad; None for a
+    server fault."""
     try:
         from vllm.exceptions import VLLMValidationError
     except ImportError:  # vLLM 0.26 raises ValueError for bad input
-        return isinstance(error, ValueError)
-    return isinstance(error, (ValueError, VLLMValidationError))
+        client_errors: tuple[type[Exception], ...] = (ValueError,)
+    else:  # VLLMValidationError is no ValueError
+        client_errors = (ValueError, VLLMValidationError)
+    if not isinstance(error, client_errors):
+        return None
+    return InvalidRequest(str(error), param=getattr(error, "parameter", None))
 
 
 class EngineIdConflict(RuntimeError):
@@ -110,8 +115,8 @@ class EngineClient:
         except Exception as e:
             if self._engine.errored:
                 raise EngineUnavailable("The inference engine stopped.") from e
-            if is_client_error(e):  # vLLM's input checks (VLLMValidationError is no ValueError)
-                raise InvalidRequest(str(e), param=getattr(e, "parameter", None)) from e
+            if (invalid := as_invalid_request(e)) is not None:  # vLLM's input checks
+                raise invalid from e
             raise
         finally:
             if not finished:

@@ -46,8 +46,8 @@ async def _main(args: argparse.Namespace) -> None:
         for i, m in enumerate(args.model)
     ]
     while min(len(t) for t in times) < args.warm_tokens:
-        if any(t.done() and t.exception() for t in tasks):
-            break  # report the failure below rather than wait forever
+        if any(t.done() for t in tasks):
+            break  # a stream ended or failed early: report it below rather than wait forever
         await asyncio.sleep(0.02)
     print("decoding", flush=True)
     await asyncio.to_thread(sys.stdin.readline)
