@@ -235,8 +235,25 @@ def _cold_first_token(base_url: str, model: str) -> float:
     raise AssertionError(f"no token from {model}: {r.status_code}")
 
 
+# Each window is long enough for a p99 that is not its single worst engine step: the 4 streams
+# share every step, so one slow step gives 4 samples, and p99 of fewer than 400 samples is then
+# that step. With 5 s windows (about 40 steps of 140 ms) one hiccup of the machine decided the
+# test: a 1.6 s stall once in CI, a 228 ms one in the steady window here.
+WINDOW_S = 20.0
+
+
 def _itls(streams: list[list[float]], start: float, end: float) -> list[float]:
     return [b - a for s in streams for a, b in itertools.pairwise(s) if start <= a and b <= end]
+
+
+def _worst_gaps(streams: list[list[float]], start: float, end: float) -> list[list[float]]:
+    """The 4 longest token gaps in [start, end] as [seconds after start, gap ms, stream]: a failure
+    then shows whether the streams stalled together (the server or engine) or one alone."""
+    gaps = [
+        [round(a - start, 3), round((b - a) * 1e3, 1), i]
+        for i, s in enumerate(streams) for a, b in itertools.pairwise(s) if start <= a and b <= end
+    ]  # fmt: skip
+    return sorted(gaps, key=lambda g: -g[1])[:4]
 
 
 def _p99(xs: list[float]) -> float:
@@ -287,8 +304,8 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
     try:
         assert clock.stdout.readline().strip() == "decoding"
         steady_start = time.monotonic()
-        time.sleep(5.0)
-        cluster.proxy.slow(size / 5.0)  # the cold adapter's weights take about 5 s to arrive
+        time.sleep(WINDOW_S)
+        cluster.proxy.slow(size / WINDOW_S)  # the cold adapter's weights take WINDOW_S to arrive
         try:
             cold_start = time.monotonic()
             cold = concurrent.futures.ThreadPoolExecutor(1).submit(
@@ -316,10 +333,11 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         "during_p50_ms": statistics.median(during) * 1e3, "during_p99_ms": _p99(during) * 1e3,
         "s3_fetch_s": on_disk - cold_start, "cold_ttft_s": first_token - cold_start,
         "samples_steady": len(steady), "samples_during": len(during),
+        "worst_during": _worst_gaps(streams, cold_start, on_disk),
     }  # fmt: skip
     print("cold-adapter ITL report:", json.dumps(report))
-    assert on_disk - cold_start > 4.0  # the fetch really was slow
-    assert len(steady) > 50 and len(during) > 50
+    assert on_disk - cold_start > 0.8 * WINDOW_S  # the fetch really was slow
+    assert len(steady) > 400 and len(during) > 400
     assert report["during_p99_ms"] <= 1.5 * report["steady_p99_ms"], report
 
 
