@@ -5,13 +5,15 @@ Tenant B sends at `rate` req/s; tenant A at 8x that. Three runs on one machine, 
 1. `b_alone`    B alone, loraplex with fair dispatch (`tenancy.max_running` slots).
 2. `fair`       A and B together, same server.
 3. `reference`  A and B together on a server that admits everything straight to the engine
-                (`max_running` = `max_queued` = 4096: no gateway fairness, vLLM's FCFS only).
+                (`max_running` = `max_queued` = 4096, `engine_priority` off: no gateway
+                fairness, vLLM's first come, first served only).
 
 Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and writes
 `bench/results/fairness-<commit>-<config>.json` plus one PNG chart per run (the config in the name,
 so runs of one commit with different settings do not overwrite each other).
 
     python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 8] [--active-window S]
+                             [--max-num-batched-tokens N]
 """
 
 from __future__ import annotations
@@ -37,15 +39,22 @@ KEYS = {"a": "tenant-a-key-for-fairness-0123456789", "b": "tenant-b-key-for-fair
 FLOOD_FACTOR = 8
 
 
-def server_config(max_running: int, max_queued: int, active_window_s: float) -> dict[str, Any]:
-    return {
+def server_config(args: argparse.Namespace, *, gateway_fairness: bool = True) -> dict[str, Any]:
+    """The fair server, or with `gateway_fairness` False the reference: everything admitted straight
+    to the engine, which serves it first come, first served."""
+    slots = args.max_running if gateway_fairness else 4096
+    config: dict[str, Any] = {
         "tenancy": {
-            "max_running": max_running,
-            "max_queued": max_queued,
-            "active_window_s": active_window_s,
+            "max_running": slots,
+            "max_queued": 256 if gateway_fairness else 4096,
+            "active_window_s": args.active_window,
+            "engine_priority": gateway_fairness,
             "tenants": [{"id": t, "api_keys": [k]} for t, k in KEYS.items()],
         }
     }
+    if args.max_num_batched_tokens is not None:
+        config["engine"] = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    return config
 
 
 def workload(base_url: str, args: argparse.Namespace, tenants: list[str]) -> Workload:
@@ -85,7 +94,8 @@ def server_side(server: LiveServer, samples: list[Sample], tenant: str) -> dict[
 
 def tag(args: argparse.Namespace) -> str:
     """The run's settings, for file names."""
-    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}"
+    budget = f"-tok{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
+    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}{budget}"
 
 
 def run(
@@ -112,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         "--active-window", type=float, default=TenancySettings().active_window_s,
         help="tenancy.active_window_s",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="engine.max_num_batched_tokens for both servers (vLLM's default if unset)",
+    )  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
@@ -119,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, dict[str, Any]] = {}
     logs = args.out_dir / "tmp" / "fairness"  # server logs (access lines) stay for inspection
-    fair = server_config(args.max_running, 256, args.active_window)
-    with live_server(fair, logs / "fair") as server:
+    with live_server(server_config(args), logs / "fair") as server:
         runs["b_alone"] = run(server, args, ["b"], "b_alone")
         runs["fair"] = run(server, args, ["a", "b"], "fair")
-    with live_server(server_config(4096, 4096, args.active_window), logs / "reference") as server:
+    reference = server_config(args, gateway_fairness=False)
+    with live_server(reference, logs / "reference") as server:
         runs["reference"] = run(server, args, ["a", "b"], "reference")
 
     alone = runs["b_alone"]["tenants"]["b"]["ttft_s"]["p90"]

@@ -45,6 +45,13 @@ class EngineSettings(BaseModel):
     )
     max_model_len: int = Field(2048, ge=16, description="Context length (prompt + output tokens).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine batch.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Token budget of one engine step (vLLM's default if unset). Smaller keeps a "
+        "light tenant's prefill out of the step of a flooding tenant's prefill (waiting requests "
+        "go by tenancy priority); longer prompts are then prefilled in more chunks.",
+    )
     max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
     max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted.")

@@ -58,9 +58,13 @@ def engine_kwargs(settings: EngineSettings, model_dir: Path, served_name: str) -
         "max_cpu_loras": settings.max_cpu_loras,
         "max_lora_rank": settings.max_lora_rank,
         "enforce_eager": settings.enforce_eager,
+        # Waiting requests in the order of the gateway's `priority` (see tenancy.fair).
+        "scheduling_policy": "priority",
         # vLLM's Prometheus metrics share /metrics with ours.
         "disable_log_stats": False,
     }
+    if settings.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     return kwargs

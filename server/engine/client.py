@@ -97,6 +97,7 @@ class EngineClient:
         sampling_params: SamplingParams,
         adapter: ServableAdapter | None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
@@ -106,6 +107,7 @@ class EngineClient:
             sampling_params,
             request_id,
             lora_request=lora,
+            priority=priority,
         )
         finished = False
         try:

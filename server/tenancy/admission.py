@@ -29,6 +29,10 @@ class Entry:
         """Seconds spent queued before the engine slot was granted."""
         return await self._ticket.wait()
 
+    @property
+    def engine_priority(self) -> int:
+        return self._ticket.engine_priority
+
     def close(self, tokens: int) -> None:
         """Free the slot (or leave the queue) and charge `tokens` to the tenant's token quota."""
         if self._closed:
@@ -42,7 +46,11 @@ class Admission:
     def __init__(self, settings: TenancySettings, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self.dispatcher = FairDispatcher(
-            settings.max_running, settings.max_queued, settings.active_window_s, clock
+            settings.max_running,
+            settings.max_queued,
+            settings.active_window_s,
+            clock,
+            engine_priority=settings.engine_priority,
         )
         self._gates: dict[str, QuotaGate] = {}
 

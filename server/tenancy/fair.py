@@ -16,6 +16,11 @@ Two rules decide who goes next when a slot frees:
    flooding tenant gets everything the others do not need, and a light tenant always finds a free
    slot for its next request.
 
+Each dispatched request also carries an engine priority: how many of its tenant's requests were
+already in the engine. vLLM (scheduling_policy "priority") takes waiting requests lowest first when
+a step's token budget cannot hold every waiting prefill, so a light tenant's prefill goes before
+the next of a flooding tenant's.
+
 Requests cancelled while queued are removed and never dispatched. Used from one event loop.
 """
 
@@ -36,6 +41,7 @@ class _Waiter:
     start_tag: float
     finish_tag: float
     arrived: float
+    engine_priority: int = 0
 
 
 @dataclass
@@ -74,6 +80,11 @@ class Ticket:
         return self.queued_s
 
     @property
+    def engine_priority(self) -> int:
+        """vLLM priority (lower first): the tenant's requests in the engine at dispatch."""
+        return self._waiter.engine_priority
+
+    @property
     def dispatched(self) -> bool:
         future = self._waiter.future
         return future.done() and not future.cancelled()
@@ -96,11 +107,14 @@ class FairDispatcher:
         max_queued: int,
         active_window_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        engine_priority: bool = True,
     ) -> None:
         self.max_running = max_running
         self.max_queued = max_queued
         self.active_window_s = active_window_s
         self._clock = clock
+        self._engine_priority = engine_priority
         self._tenants: dict[str, _TenantQueue] = {}
         self._virtual_time = 0.0
         self._running = 0
@@ -194,6 +208,7 @@ class FairDispatcher:
             queue = self._tenants[best[1]]
             waiter = queue.waiting.popleft()
             self._queued -= 1
+            waiter.engine_priority = queue.running if self._engine_priority else 0
             queue.running += 1
             self._running += 1
             self._virtual_time = waiter.start_tag

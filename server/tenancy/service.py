@@ -58,7 +58,9 @@ class Admitted:
         record = self._record
         if record is not None:
             record.queued_s = queued_s
-        stream = engine.generate(prompt_token_ids, params, adapter, request_id)
+        stream = engine.generate(
+            prompt_token_ids, params, adapter, request_id, priority=self._entry.engine_priority
+        )
         # The engine's generator aborts its request when closed: close it when we are closed.
         async with aclosing(cast("AsyncGenerator[RequestOutput, None]", stream)) as it:
             async for output in it:

@@ -78,6 +78,12 @@ class TenancySettings(BaseModel):
         description="A tenant seen within this many seconds keeps its share of `max_running` "
         "reserved, so its next request need not wait behind another tenant's backlog.",
     )
+    engine_priority: bool = Field(
+        default=True,
+        description="Give the engine each request's priority (its tenant's requests already in "
+        "the engine), so a light tenant's prefill is scheduled before a flooding tenant's. "
+        "False: vLLM serves waiting requests first come, first served.",
+    )
     adapter_label_top_k: int = Field(
         default=20,
         ge=0,

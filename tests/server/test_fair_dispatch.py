@@ -174,3 +174,21 @@ def test_headroom_follows_the_peak_within_the_window() -> None:
             t.close()
 
     run(scenario())
+
+
+def test_engine_priority_is_the_tenants_requests_already_in_the_engine() -> None:
+    """vLLM schedules lower priorities first: a light tenant's request outranks a flood's."""
+
+    async def scenario(engine_priority: bool) -> tuple[list[int], int]:
+        d = FairDispatcher(
+            max_running=8, max_queued=100, active_window_s=10.0, engine_priority=engine_priority
+        )
+        flood = [d.enqueue("a", 1.0) for _ in range(4)]
+        light = d.enqueue("b", 1.0)
+        priorities = [t.engine_priority for t in flood], light.engine_priority
+        for t in [*flood, light]:
+            t.close()
+        return priorities
+
+    assert run(scenario(True)) == ([0, 1, 2, 3], 0)
+    assert run(scenario(False)) == ([0, 0, 0, 0], 0)  # off: vLLM's first come, first served
