@@ -48,9 +48,9 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(
         None,
         ge=16,
-        description="Token budget of one engine step (vLLM's default if unset). Smaller keeps a "
-        "light tenant's prefill out of the step of a flooding tenant's prefill (waiting requests "
-        "go by tenancy priority); longer prompts are then prefilled in more chunks.",
+        description="Token budget of one engine step (vLLM's default if unset). Waiting prefills "
+        "that do not fit go in tenancy priority order; a small budget prefills long prompts in "
+        "more chunks.",
     )
     max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
     max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
