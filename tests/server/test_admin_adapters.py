@@ -242,17 +242,24 @@ def _cold_first_token(base_url: str, model: str) -> float:
 WINDOW_S = 20.0
 
 
+def _gaps(
+    streams: list[list[float]], start: float, end: float
+) -> Iterator[tuple[int, float, float]]:
+    """(stream, token time, next token time) for every pair of tokens inside [start, end]."""
+    for i, s in enumerate(streams):
+        yield from ((i, a, b) for a, b in itertools.pairwise(s) if start <= a and b <= end)
+
+
 def _itls(streams: list[list[float]], start: float, end: float) -> list[float]:
-    return [b - a for s in streams for a, b in itertools.pairwise(s) if start <= a and b <= end]
+    return [b - a for _, a, b in _gaps(streams, start, end)]
 
 
 def _worst_gaps(streams: list[list[float]], start: float, end: float) -> list[list[float]]:
     """The 4 longest token gaps in [start, end] as [seconds after start, gap ms, stream]: a failure
     then shows whether the streams stalled together (the server or engine) or one alone."""
     gaps = [
-        [round(a - start, 3), round((b - a) * 1e3, 1), i]
-        for i, s in enumerate(streams) for a, b in itertools.pairwise(s) if start <= a and b <= end
-    ]  # fmt: skip
+        [round(a - start, 3), round((b - a) * 1e3, 1), i] for i, a, b in _gaps(streams, start, end)
+    ]
     return sorted(gaps, key=lambda g: -g[1])[:4]
 
 
@@ -301,6 +308,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     assert clock.stdin is not None and clock.stdout is not None
+    cold_client = concurrent.futures.ThreadPoolExecutor(1)
     try:
         assert clock.stdout.readline().strip() == "decoding"
         steady_start = time.monotonic()
@@ -308,9 +316,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         cluster.proxy.slow(size / WINDOW_S)  # the cold adapter's weights take WINDOW_S to arrive
         try:
             cold_start = time.monotonic()
-            cold = concurrent.futures.ThreadPoolExecutor(1).submit(
-                _cold_first_token, b.base_url, "cold-bot"
-            )
+            cold = cold_client.submit(_cold_first_token, b.base_url, "cold-bot")
             # The S3 transfer window ends when the proxy has sent the last byte of the adapter's
             # files: watched here rather than by polling the server's admin API, whose calls
             # would share the 2 cores with the streams being measured.
@@ -326,6 +332,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
     finally:
         clock.kill()
         clock.wait()
+        cold_client.shutdown(wait=False)
     steady = _itls(streams, steady_start, cold_start)
     during = _itls(streams, cold_start, on_disk)
     report = {
