@@ -223,16 +223,21 @@ def test_server_and_client_medians_agree(
         report.append((tenant, client, exact))
         assert abs(exact - client) <= tolerance, (field, tenant, client, exact)
         # Prometheus' estimate from the cumulative histogram (every request of the tenant):
-        all_exact = [
+        all_exact = sorted(
             r[server_field] / scale
             for r in records.values()
             if r["tenant"] == tenant
             and r[server_field] is not None
             and r["path"] == "/v1/completions"
-        ]
+        )
         expr = f"histogram_quantile(0.5, sum by (le) ({metric}_bucket{{tenant='{tenant}'}}))"
         estimate = float(query(prom, expr)[0]["value"][1])
-        assert _bucket(bounds, estimate) == _bucket(bounds, float(np.median(all_exact))), (
-            field, tenant, estimate, float(np.median(all_exact)),
+        # Any value from the lower to the upper middle value is a median. With an even count and
+        # a bimodal distribution (one CI run: 11 TTFTs under 0.45 s, 11 over 1.6 s) np.median's
+        # average lies in the gap (1.045 s) while Prometheus rightly answers 0.5 s, the bound of
+        # the bucket holding the 11th; with an odd count both ends are one value, as before.
+        lower, upper = all_exact[(len(all_exact) - 1) // 2], all_exact[len(all_exact) // 2]
+        assert _bucket(bounds, lower) <= _bucket(bounds, estimate) <= _bucket(bounds, upper), (
+            field, tenant, estimate, lower, upper,
         )  # fmt: skip
     print(f"{field} medians (tenant, client, server): {report}")
