@@ -263,6 +263,25 @@ def _worst_gaps(streams: list[list[float]], start: float, end: float) -> list[li
     return sorted(gaps, key=lambda g: -g[1])[:4]
 
 
+def _wait_for_slow_bodies(
+    cluster: Cluster, cold: concurrent.futures.Future[float], deadline: float
+) -> None:
+    """Until the proxy has sent every adapter file; a cold request that ended first (it failed:
+    it cannot have its token before its files) or the deadline fails the test with B's errors."""
+    while len(cluster.proxy.slow_bodies_sent) < len(ADAPTER_FILES):
+        if cold.done() or time.monotonic() > deadline:
+            outcome = repr(cold.exception()) if cold.done() else "still waiting"
+            errors = [
+                x for x in cluster.b.log_tail(400).splitlines() if "ERROR" in x or "Error:" in x
+            ]
+            raise AssertionError(
+                f"the cold adapter's files were not all sent: {len(cluster.proxy.slow_bodies_sent)}"
+                f" of {len(ADAPTER_FILES)} slowed bodies, {cluster.proxy.hits} blob GETs in all; "
+                f"cold request: {outcome}; B's last errors:\n" + "\n".join(errors[-10:])
+            )
+        time.sleep(0.05)
+
+
 def _p99(xs: list[float]) -> float:
     return sorted(xs)[int(len(xs) * 0.99)]
 
@@ -320,8 +339,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
             # The S3 transfer window ends when the proxy has sent the last byte of the adapter's
             # files: watched here rather than by polling the server's admin API, whose calls
             # would share the 2 cores with the streams being measured.
-            while len(cluster.proxy.slow_bodies_sent) < len(ADAPTER_FILES):
-                time.sleep(0.05)
+            _wait_for_slow_bodies(cluster, cold, deadline=cold_start + 3 * WINDOW_S)
             on_disk = cluster.proxy.slow_bodies_sent[-1]
         finally:
             cluster.proxy.slow(None)
@@ -349,6 +367,8 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
 
 
 def test_restart_after_kill9_mid_download(cluster: Cluster) -> None:
+    # cold-bot is on B's disk after the test above; fetched here if that test failed early.
+    assert chat(cluster.b, "cold-bot").status_code == 200
     make_cold(cluster.b, "crash-bot", cluster.source("crash", 16))
     names_before = {a["name"] for a in admin(cluster.b, "GET", "").json()["data"]}
     size = admin(cluster.b, "GET", "/crash-bot").json()["size_bytes"]

@@ -24,6 +24,12 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
 
 
 class _QuietServer(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5, and a replica opens more connections than that
+    # at once (transfer threads, catalog and tenant polls). Once 5 wait for the accept thread the
+    # kernel drops further SYNs, which botocore reports as connect timeouts: a CI run's replica
+    # saw only those for minutes.
+    request_queue_size = 128
+
     def handle_error(self, request: object, client_address: object) -> None:
         """A client hanging up mid-body (a killed server under test) is expected here."""
 
