@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -27,7 +28,6 @@ import httpx
 import pytest
 from moto.server import ThreadedMotoServer
 
-from loraplex.adapters_registry.validation import ADAPTER_FILES
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
 from tests.support.s3_fault_proxy import FaultProxy
 from tests.support.server_process import REPO, ServerProcess, free_port
@@ -264,22 +264,47 @@ def _worst_gaps(streams: list[list[float]], start: float, end: float) -> list[li
 
 
 def _wait_for_slow_bodies(
-    cluster: Cluster, cold: concurrent.futures.Future[float], deadline: float
-) -> None:
-    """Until the proxy has sent every adapter file; a cold request that ended first (it failed:
-    it cannot have its token before its files) or the deadline fails the test with B's errors."""
-    while len(cluster.proxy.slow_bodies_sent) < len(ADAPTER_FILES):
+    cluster: Cluster, cold: concurrent.futures.Future[float], blobs: set[str], deadline: float
+) -> float:
+    """Until the proxy has sent the slowed bodies of all `blobs` (the adapter's file hashes, which
+    name its objects); returns when their last byte was sent. A cold request that ended first (it
+    failed: it cannot have its token before its files) or the deadline fails the test with B's
+    errors."""
+    while not blobs <= (sent := {b.path.rsplit("/", 1)[-1]: b for b in cluster.proxy.slow_bodies}):
         if cold.done() or time.monotonic() > deadline:
             outcome = repr(cold.exception()) if cold.done() else "still waiting"
             errors = [
                 x for x in cluster.b.log_tail(400).splitlines() if "ERROR" in x or "Error:" in x
             ]
             raise AssertionError(
-                f"the cold adapter's files were not all sent: {len(cluster.proxy.slow_bodies_sent)}"
-                f" of {len(ADAPTER_FILES)} slowed bodies, {cluster.proxy.hits} blob GETs in all; "
-                f"cold request: {outcome}; B's last errors:\n" + "\n".join(errors[-10:])
+                f"the cold adapter's blobs {blobs} were not all sent: {cluster.proxy.slow_bodies}, "
+                f"{cluster.proxy.hits} blob GETs in all; cold request: {outcome}; "
+                "B's last errors:\n" + "\n".join(errors[-10:])
             )
         time.sleep(0.05)
+    return max(sent[h].sent for h in blobs)
+
+
+def _itl_report(
+    streams: list[list[float]], steady_start: float, cold_start: float, on_disk: float
+) -> dict[str, Any]:
+    """Both windows' ITL percentiles, and each stream's token count per window and its last token
+    (seconds after the cold request): a failure then tells a stall from streams that had ended."""
+    report: dict[str, Any] = {}
+    for window, (start, end) in {"steady": (steady_start, cold_start),
+                                 "during": (cold_start, on_disk)}.items():  # fmt: skip
+        itls = _itls(streams, start, end)
+        report[f"samples_{window}"] = len(itls)
+        report[f"{window}_p50_ms"] = statistics.median(itls) * 1e3 if itls else None
+        report[f"{window}_p99_ms"] = _p99(itls) * 1e3 if itls else None
+    report["worst_during"] = _worst_gaps(streams, cold_start, on_disk)
+    report["streams"] = [
+        {"steady": sum(steady_start <= t < cold_start for t in s),
+         "during": sum(cold_start <= t <= on_disk for t in s),
+         "last_token_s": round(s[-1] - cold_start, 3) if s else None}
+        for s in streams
+    ]  # fmt: skip
+    return report
 
 
 def _p99(xs: list[float]) -> float:
@@ -316,6 +341,9 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
     cluster.stop_a()
     make_cold(b, "cold-bot", cluster.source("cold", 15))
     size = admin(b, "GET", "/cold-bot").json()["size_bytes"]
+    blobs = {
+        hashlib.sha256(f.read_bytes()).hexdigest() for f in (cluster.tmp / "src/cold").iterdir()
+    }
     # Other tenants' streams: one adapter and the base model, so a GPU slot stays free for the
     # cold adapter (max_loras=2) and it is not queued behind them in vLLM's scheduler. They are
     # read by a process of their own (see stream_clock), and steady state is the same streams
@@ -337,10 +365,12 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
             cold_start = time.monotonic()
             cold = cold_client.submit(_cold_first_token, b.base_url, "cold-bot")
             # The S3 transfer window ends when the proxy has sent the last byte of the adapter's
-            # files: watched here rather than by polling the server's admin API, whose calls
+            # blobs (other slowed bodies, a repeated GET of one file, say, do not end it early):
+            # watched here rather than by polling the server's admin API, whose calls
             # would share the 2 cores with the streams being measured.
-            _wait_for_slow_bodies(cluster, cold, deadline=cold_start + 3 * WINDOW_S)
-            on_disk = cluster.proxy.slow_bodies_sent[-1]
+            on_disk = _wait_for_slow_bodies(
+                cluster, cold, blobs, deadline=cold_start + 3 * WINDOW_S
+            )
         finally:
             cluster.proxy.slow(None)
         first_token = cold.result(timeout=120)
@@ -351,18 +381,15 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
         clock.kill()
         clock.wait()
         cold_client.shutdown(wait=False)
-    steady = _itls(streams, steady_start, cold_start)
-    during = _itls(streams, cold_start, on_disk)
-    report = {
-        "steady_p50_ms": statistics.median(steady) * 1e3, "steady_p99_ms": _p99(steady) * 1e3,
-        "during_p50_ms": statistics.median(during) * 1e3, "during_p99_ms": _p99(during) * 1e3,
+    report = _itl_report(streams, steady_start, cold_start, on_disk)
+    report |= {
         "s3_fetch_s": on_disk - cold_start, "cold_ttft_s": first_token - cold_start,
-        "samples_steady": len(steady), "samples_during": len(during),
-        "worst_during": _worst_gaps(streams, cold_start, on_disk),
+        "slow_bodies": [(b.path.rsplit("/", 1)[-1][:12], b.size, round(b.started - cold_start, 3),
+                         round(b.sent - cold_start, 3)) for b in cluster.proxy.slow_bodies],
     }  # fmt: skip
     print("cold-adapter ITL report:", json.dumps(report))
-    assert on_disk - cold_start > 0.8 * WINDOW_S  # the fetch really was slow
-    assert len(steady) > 400 and len(during) > 400
+    assert on_disk - cold_start > 0.8 * WINDOW_S, report  # the fetch really was slow
+    assert report["samples_steady"] > 400 and report["samples_during"] > 400, report
     assert report["during_p99_ms"] <= 1.5 * report["steady_p99_ms"], report
 
 

@@ -8,8 +8,8 @@ GETs of keys containing `match` (e.g. "blobs/"), to which the armed faults apply
 - `corrupt(n)`: flip bytes in the body (length unchanged, so only a hash check can tell);
 - `slow(bytes_per_s)`: stream every matching body at that rate (until `slow(None)`).
 
-`hits` counts matching requests, so tests can see that retries happened; `slow_bodies_sent`
-holds when (`time.monotonic()`) each slowed body's last byte was sent.
+`hits` counts matching requests, so tests can see that retries happened; `slow_bodies` records
+each slowed body: its path, size, and when (`time.monotonic()`) its first and last bytes were sent.
 """
 
 from __future__ import annotations
@@ -18,9 +18,18 @@ import http.client
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
+
+
+@dataclass(frozen=True)
+class SlowBody:
+    path: str
+    size: int
+    started: float
+    sent: float
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -41,7 +50,7 @@ class FaultProxy:
         self.hits = 0
         self._faults: list[tuple[str, int, str]] = []
         self.rate: float | None = None
-        self.slow_bodies_sent: list[float] = []
+        self.slow_bodies: list[SlowBody] = []
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -124,11 +133,13 @@ class FaultProxy:
                     self.wfile.write(data)
                     return
                 step = max(1, int(rate / 20))
+                started = time.monotonic()
                 for i in range(0, len(data), step):
                     self.wfile.write(data[i : i + step])
                     self.wfile.flush()
                     time.sleep(step / rate)
-                proxy.slow_bodies_sent.append(time.monotonic())
+                body = SlowBody(self.path, len(data), started, time.monotonic())
+                proxy.slow_bodies.append(body)
 
             def _error(self, status: int, code: str) -> None:
                 body = (
