@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.store import ObjectStore
 from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
+from loraplex.server.body_limit import BodyLimitMiddleware
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway
@@ -102,6 +103,8 @@ def create_app(settings: Settings) -> FastAPI:
     metrics.watch_queues(lambda: app.state.tenancy.queue_snapshot() if app.state.tenancy else {})
     metrics.watch_engine(lambda: app.state.gateway is not None and app.state.gateway.engine.healthy)
     install_json_handler()
+    # The last added runs first: access logging wraps the body cap, so a 413 is logged and counted.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.http.max_body_bytes)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
     install_error_handlers(app)
     app.include_router(openai.router)

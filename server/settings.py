@@ -86,6 +86,12 @@ class HttpSettings(BaseModel):
     admin_token: SecretStr | None = Field(
         None, description="Bearer token for /admin/v1; unset disables the admin API."
     )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body accepted (bytes); a larger one is answered 413. "
+        "8 MiB holds a 128k-token prompt with room to spare.",
+    )
 
 
 class Settings(BaseSettings):

@@ -254,6 +254,18 @@ def test_malformed_json_is_400_envelope(embedded_server: ServerProcess) -> None:
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_body_over_the_cap_is_413_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    """A prompt of 9 MiB (the default cap is 8 MiB) is refused before it is parsed or tokenized."""
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=BASE, prompt="sea " * (9 * 2**18), max_tokens=4)
+    assert e.value.status_code == 413
+    error = _error(e.value)
+    assert error["code"] == "request_too_large" and "http.max_body_bytes" in error["message"]
+    assert f"the limit is {8 * 2**20} bytes" in error["message"]
+    after = client.completions.create(model=BASE, prompt="The sea", max_tokens=4)
+    assert after.usage is not None and after.usage.completion_tokens > 0
+
+
 def test_overload_is_503(embedded_server: ServerProcess, aclient: openai.AsyncOpenAI) -> None:
     """The session server runs 4 requests and queues 4 (EMBEDDED_ENV); the rest get 503."""
 
