@@ -29,7 +29,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
-from tests.support.s3_fault_proxy import FaultProxy
+from tests.support.s3_fault_proxy import FaultProxy, SlowBody
 from tests.support.server_process import REPO, ServerProcess, free_port
 
 TOKEN = "test-admin-token"
@@ -270,7 +270,11 @@ def _wait_for_slow_bodies(
     name its objects); returns when their last byte was sent. A cold request that ended first (it
     failed: it cannot have its token before its files) or the deadline fails the test with B's
     errors."""
-    while not blobs <= (sent := {b.path.rsplit("/", 1)[-1]: b for b in cluster.proxy.slow_bodies}):
+
+    def sent() -> dict[str, SlowBody]:
+        return {b.path.rsplit("/", 1)[-1]: b for b in cluster.proxy.slow_bodies}
+
+    while not blobs <= sent().keys():
         if cold.done() or time.monotonic() > deadline:
             outcome = repr(cold.exception()) if cold.done() else "still waiting"
             errors = [
@@ -282,7 +286,7 @@ def _wait_for_slow_bodies(
                 "B's last errors:\n" + "\n".join(errors[-10:])
             )
         time.sleep(0.05)
-    return max(sent[h].sent for h in blobs)
+    return max(sent()[h].sent for h in blobs)
 
 
 def _itl_report(
