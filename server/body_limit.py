@@ -31,10 +31,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and (length := int(declared)) > self.max_bytes:
             await _drain(receive)
-            await self._refuse(scope, receive, send, f"is {int(declared)} bytes")
+            await self._refuse(scope, receive, send, f"is {length} bytes")
             return
         messages: list[Message] = []
         size = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -28,6 +27,7 @@ import httpx
 import pytest
 from moto.server import ThreadedMotoServer
 
+from loraplex.adapters_registry.disk_cache import sha256_file
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
 from tests.support.s3_fault_proxy import FaultProxy, SlowBody
 from tests.support.server_process import REPO, ServerProcess, free_port
@@ -272,7 +272,7 @@ def _wait_for_slow_bodies(
     errors."""
 
     def sent() -> dict[str, SlowBody]:
-        return {b.path.rsplit("/", 1)[-1]: b for b in cluster.proxy.slow_bodies}
+        return {b.name: b for b in cluster.proxy.slow_bodies}
 
     while not blobs <= sent().keys():
         if cold.done() or time.monotonic() > deadline:
@@ -345,9 +345,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
     cluster.stop_a()
     make_cold(b, "cold-bot", cluster.source("cold", 15))
     size = admin(b, "GET", "/cold-bot").json()["size_bytes"]
-    blobs = {
-        hashlib.sha256(f.read_bytes()).hexdigest() for f in (cluster.tmp / "src/cold").iterdir()
-    }
+    blobs = {sha256_file(f) for f in (cluster.tmp / "src/cold").iterdir()}
     # Other tenants' streams: one adapter and the base model, so a GPU slot stays free for the
     # cold adapter (max_loras=2) and it is not queued behind them in vLLM's scheduler. They are
     # read by a process of their own (see stream_clock), and steady state is the same streams
@@ -388,7 +386,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
     report = _itl_report(streams, steady_start, cold_start, on_disk)
     report |= {
         "s3_fetch_s": on_disk - cold_start, "cold_ttft_s": first_token - cold_start,
-        "slow_bodies": [(b.path.rsplit("/", 1)[-1][:12], b.size, round(b.started - cold_start, 3),
+        "slow_bodies": [(b.name[:12], b.size, round(b.started - cold_start, 3),
                          round(b.sent - cold_start, 3)) for b in cluster.proxy.slow_bodies],
     }  # fmt: skip
     print("cold-adapter ITL report:", json.dumps(report))

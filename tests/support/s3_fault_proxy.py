@@ -31,6 +31,11 @@ class SlowBody:
     started: float
     sent: float
 
+    @property
+    def name(self) -> str:
+        """The object's last path segment (a blob's sha256)."""
+        return self.path.rsplit("/", 1)[-1]
+
 
 class _QuietServer(ThreadingHTTPServer):
     # socketserver's default listen backlog is 5, and a replica opens more connections than that
