@@ -9,19 +9,29 @@ GETs of keys containing `match` (e.g. "blobs/"), to which the armed faults apply
 - `slow(bytes_per_s)`: stream every matching body at that rate (until `slow(None)`).
 
 `hits` counts matching requests, so tests can see that retries happened; `slow_bodies` records
-each slowed body: its path, size, and when (`time.monotonic()`) its first and last bytes were sent.
+each slowed body: its path, size, and when (`time.monotonic()`) its first and last bytes were sent;
+`recent` keeps the last requests and those in flight (method, path, when they came and when they
+were answered), so a failure can show whether the proxy answered at all.
+
+Paths under `/__faults__/` are not forwarded: they arm faults and read `hits`, `slow_bodies` and
+`recent`, so `tests.support.s3_rig` can run the proxy in a process of its own and drive it over
+HTTP.
 """
 
 from __future__ import annotations
 
+import collections
 import http.client
+import json
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
+CONTROL = "/__faults__/"
+_ACTIONS = {"fail", "reset", "corrupt", "slow", "clear"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,17 @@ class SlowBody:
     def name(self) -> str:
         """The object's last path segment (a blob's sha256)."""
         return self.path.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """One forwarded request: `answered` is when its response was complete (None: it never was)."""
+
+    method: str
+    path: str
+    came: float
+    answered: float | None
+    status: int | None
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -56,6 +77,8 @@ class FaultProxy:
         self._faults: list[tuple[str, int, str]] = []
         self.rate: float | None = None
         self.slow_bodies: list[SlowBody] = []
+        self.recent: collections.deque[Forwarded] = collections.deque(maxlen=40)
+        self.in_flight: dict[int, Forwarded] = {}  # by handler thread: one request at a time each
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -88,6 +111,13 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
+    def state(self) -> dict[str, object]:
+        return {
+            "hits": self.hits,
+            "slow_bodies": [asdict(b) for b in self.slow_bodies],
+            "recent": [asdict(r) for r in [*self.recent, *self.in_flight.values()]],
+        }
+
     def _next_fault(self, method: str, path: str) -> tuple[str, int, str] | None:
         if method != "GET" or self.match not in path:
             return None
@@ -104,12 +134,42 @@ class FaultProxy:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def _forward(self) -> None:
+            def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if self.path.startswith(CONTROL):
+                    return self._control(self.path.removeprefix(CONTROL), body)
+                came, status = time.monotonic(), None
+                thread = threading.get_ident()
+                proxy.in_flight[thread] = Forwarded(self.command, self.path, came, None, None)
+                try:
+                    status = self._forward(body)
+                finally:
+                    answered = time.monotonic() if status is not None else None
+                    del proxy.in_flight[thread]
+                    proxy.recent.append(Forwarded(self.command, self.path, came, answered, status))
+
+            def _control(self, action: str, body: bytes | None) -> None:
+                if action == "state":
+                    reply = proxy.state()
+                elif action in _ACTIONS:
+                    getattr(proxy, action)(**json.loads(body or b"{}"))
+                    reply = {}
+                else:
+                    return self._error(404, "NoSuchFaultAction")
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _forward(self, body: bytes | None) -> int:
+                """Forward the request (or answer with an armed fault); returns the status sent."""
                 fault = proxy._next_fault(self.command, self.path)
                 if fault and fault[0] == "fail":
-                    return self._error(fault[1], fault[2])
+                    self._error(fault[1], fault[2])
+                    return fault[1]
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -120,17 +180,20 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in _HOP and k.lower() != "content-length":
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's answer has no body but names the object's size, as the upstream's did.
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if fault and fault[0] == "reset" and len(data) > 1:
                     self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
-                    return
+                    return resp.status
                 if fault and fault[0] == "corrupt":
                     data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
                 self._send_body(data, matching=proxy.match in self.path)
+                return resp.status
 
             def _send_body(self, data: bytes, matching: bool) -> None:
                 rate = proxy.rate if matching and self.command == "GET" else None
@@ -157,6 +220,6 @@ class FaultProxy:
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _forward
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _handle
 
         return Handler
