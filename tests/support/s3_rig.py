@@ -2,12 +2,12 @@
 
 The registry's own tests run both as threads of the test process. The two-replica server tests
 (`tests/server/test_admin_adapters.py`) instead stream from a real engine for minutes beside
-them, and in two CI runs the in-process proxy stopped answering replica B while the test's main
-thread went on: first connect timeouts for as long as the measured streams ran, then read timeouts
-from the moment the slowed download began. The cause was not found (not open files: a local
-full run's test process held 20-30 and 8-14 threads there). Here nothing the test process does can
-stall them, and if they stall, `stacks()` asks this process for every thread's stack
-(faulthandler, on SIGUSR1).
+them, and in two CI runs the in-process proxy stopped answering replica B: first with connect
+timeouts for as long as the measured streams ran, then with 30 s read timeouts while the test's
+own cold request reached B at least 50 s late. The test process itself was stalled; why was not
+found (not open files: a local full run's test process held 20-30 files and 8-14 threads there).
+Here a stall of the test process cannot stop S3, and if the rig stalls, `stacks()` asks it for
+every thread's stack (faulthandler, on SIGUSR1).
 
     python -m tests.support.s3_rig   # prints {"endpoint": moto's URL, "proxy": the proxy's URL}
                                      # and serves until its stdin closes

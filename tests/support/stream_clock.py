@@ -28,20 +28,25 @@ import time
 from typing import Any
 
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionChunk
 
 
-async def _stream(client: AsyncOpenAI, model: str, max_tokens: int, times: list[float]) -> None:
+def _carries_token(chunk: ChatCompletionChunk) -> bool:
     # Tokens are timed by their logprobs, not their text: a token that ends mid-character (the
     # first bytes of a multi-byte character) has no text yet and is sent with the next one, which
     # would read as a stalled step.
+    choice = chunk.choices[0] if chunk.choices else None
+    return bool(choice and choice.logprobs and choice.logprobs.content)
+
+
+async def _stream(client: AsyncOpenAI, model: str, max_tokens: int, times: list[float]) -> None:
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
         max_tokens=max_tokens, temperature=0, stream=True, logprobs=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     async for chunk in stream:
-        choice = chunk.choices[0] if chunk.choices else None
-        if choice and choice.logprobs and choice.logprobs.content:
+        if _carries_token(chunk):
             times.append(time.monotonic())
 
 
@@ -53,8 +58,7 @@ async def _cold_first_token(client: AsyncOpenAI, model: str, cold: dict[str, Any
             stream=True, logprobs=True,
         )  # fmt: skip
         async for chunk in stream:
-            choice = chunk.choices[0] if chunk.choices else None
-            if choice and choice.logprobs and choice.logprobs.content:
+            if _carries_token(chunk):
                 cold["first_token"] = time.monotonic()
                 await stream.close()
                 return
