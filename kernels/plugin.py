@@ -10,6 +10,8 @@ and logs one line saying what it did:
   own implementation. It also routes `PunicaWrapperGPU.add_lora_linear` (attention and other
   dense layers) through `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode
   batches of up to DENSE_MAX_TOKENS tokens, vLLM's shrink and expand for larger ones;
+- it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
+  `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
 
 The switch: `register(enabled=...)` from loraplex's engine wrapper, or in processes vLLM spawns
@@ -22,8 +24,11 @@ or "off" turn it off; unset means on.
 # The kernel modules are imported only when registering: importing this module (as the server
 # does) must not create Triton kernels, which pick compiled or interpreted mode at creation.
 import enum
+import functools
 import logging
+import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +42,9 @@ DENSE_OP_NAME = "loraplex::lora_linear"
 # up to max_num_seqs); prefill chunks keep vLLM's tiled kernels.
 DENSE_MAX_TOKENS = 64
 _OFF = {"0", "false", "no", "off"}
+# Prefill-sized batches start here; smaller ones are vLLM's CUDA-graph sizes, which it captures
+# with LoRA active and so compiles for already.
+WARM_UP_FIRST_TOKENS = 64
 
 # Under vLLM's logger tree, so that the line shows in the engine core's and the workers' output:
 # vLLM configures handlers for "vllm" only, and a bare logger of ours would print nothing at INFO.
@@ -187,6 +195,61 @@ def _add_lora_linear(
     )  # fmt: skip
 
 
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """Token counts for LoRA-active dummy steps, largest first: a ladder of sqrt(2) steps from
+    WARM_UP_FIRST_TOKENS to `max_tokens`, each also plus one.
+
+    vLLM warms LoRA up only at decode sizes (its CUDA-graph capture). On the H200 every run then
+    JIT-compiled LoRA kernels in its first prefill-sized steps while serving, vLLM's and ours
+    (its jit_monitor said so), and one run stalled 2.3 s. Kernel configs are chosen by size
+    ranges (ours by pair count, vLLM's by token count), so the ladder reaches every range; the
+    odd neighbour covers Triton's specialisation of integer arguments on divisibility by 16.
+    """
+    steps = int(math.log2(max_tokens / WARM_UP_FIRST_TOKENS) * 2) + 1 if max_tokens > 0 else 0
+    ladder = {int(WARM_UP_FIRST_TOKENS * 2 ** (i / 2)) for i in range(steps)} | {max_tokens}
+    sizes = {n for n in ladder if n <= max_tokens} | {n + 1 for n in ladder if n < max_tokens}
+    return sorted(sizes, reverse=True)
+
+
+def _warm_up_lora(runner: Any, max_tokens: int) -> None:
+    """LoRA-active dummy steps over `warm_up_sizes`; a failure is logged, never raised."""
+    lora_config = getattr(runner, "lora_config", None)
+    if lora_config is None:
+        return
+    from vllm.config import CUDAGraphMode
+
+    start = time.perf_counter()
+    sizes = warm_up_sizes(max_tokens)
+    try:
+        for n in sizes:  # dummy LoRAs stay in between; vLLM's own warm-up removes them after
+            runner._dummy_run(
+                n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True, remove_lora=False,
+                num_active_loras=lora_config.max_loras,
+            )  # fmt: skip
+    except Exception:
+        log.exception("loraplex MoE-LoRA kernels: LoRA warm-up failed; serving goes on")
+        return
+    log.info("loraplex MoE-LoRA kernels: LoRA warm-up of %d prefill sizes (%d..%d tokens) in "
+             "%.1f s", len(sizes), sizes[-1], sizes[0], time.perf_counter() - start)  # fmt: skip
+
+
+def _patch_warm_up() -> None:
+    """Run `_warm_up_lora` at the start of vLLM's worker warm-up, before graph capture."""
+    from vllm.v1.worker import gpu_worker
+
+    original = gpu_worker.Worker.compile_or_warm_up_model
+    if getattr(original, "_loraplex_warm_up", False):
+        return
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self: Any) -> Any:
+        _warm_up_lora(self.model_runner, self.scheduler_config.max_num_batched_tokens)
+        return original(self)
+
+    compile_or_warm_up_model._loraplex_warm_up = True  # type: ignore[attr-defined]
+    gpu_worker.Worker.compile_or_warm_up_model = compile_or_warm_up_model  # type: ignore[method-assign]
+
+
 def _patch() -> PluginState:
     import vllm
 
@@ -221,6 +284,7 @@ def _patch() -> PluginState:
     punica_gpu.fused_moe_lora = ours
     triton_ops.fused_moe_lora = ours
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
+    _patch_warm_up()
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora and decode-sized "
              "add_lora_linear (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED

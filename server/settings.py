@@ -63,6 +63,12 @@ class EngineSettings(BaseModel):
         2, ge=1, description="KV cache size on CPU engines (VLLM_CPU_KVCACHE_SPACE), in GiB."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (debugging only).")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="`dummy`: random weights of the checkpoint's shapes, for benchmarks of a model "
+        "whose weights are not at hand (the directory still needs config.json, a tokenizer and "
+        "safetensors headers, which the adapter validation reads).",
+    )
     seed: int = Field(0, description="Engine seed, for reproducible sampling with `seed` unset.")
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."

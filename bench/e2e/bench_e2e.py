@@ -51,19 +51,25 @@ def install_entry_point(site: Path) -> Path:
     return info
 
 
-def make_model(path: Path, layers: int) -> None:
-    cfg = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-        "intermediate_size": 6144, "moe_intermediate_size": I_MOE, "num_hidden_layers": layers,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": EXPERTS, "num_experts_per_tok": TOPK, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
-        "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False,
-    }  # fmt: skip
+# The Qwen3-30B-A3B shape of ../shared/gpu/example_make_model.py (num_hidden_layers is --layers).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+    "intermediate_size": 6144, "moe_intermediate_size": I_MOE, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": EXPERTS, "num_experts_per_tok": TOPK, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False,
+}  # fmt: skip
+
+
+def make_model(path: Path, layers: int) -> dict[str, Any]:
+    """config.json of the Qwen3-30B-A3B shape with `layers` layers; returns the config."""
+    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
+    return cfg
 
 
 def make_adapter(path: Path, layers: int, hidden: int, inter: int, experts: int, q: int, kv: int,
@@ -74,7 +80,8 @@ def make_adapter(path: Path, layers: int, hidden: int, inter: int, experts: int,
 
     if (path / "adapter_model.safetensors").exists():
         return
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: dry runs of the scripts
+    gen = torch.Generator(device=device).manual_seed(seed)
     shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv),
               "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden)}  # fmt: skip
     for e in range(experts):
@@ -85,8 +92,8 @@ def make_adapter(path: Path, layers: int, hidden: int, inter: int, experts: int,
     for layer in range(layers):
         for mod, (i, o) in shapes.items():
             p = f"base_model.model.model.layers.{layer}.{mod}"
-            a = torch.randn(RANK, i, device="cuda", generator=gen) * scale
-            b = torch.randn(o, RANK, device="cuda", generator=gen) * scale
+            a = torch.randn(RANK, i, device=device, generator=gen) * scale
+            b = torch.randn(o, RANK, device=device, generator=gen) * scale
             tensors[p + ".lora_A.weight"] = a.bfloat16().cpu()
             tensors[p + ".lora_B.weight"] = b.bfloat16().cpu()
     path.mkdir(parents=True, exist_ok=True)
@@ -105,7 +112,8 @@ def run_workload(ns: argparse.Namespace) -> dict:
     model, adapter = Path("/tmp/e2e_model"), Path("/tmp/e2e_lora")
     make_model(model, ns.layers)
     kw: dict = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-                    max_model_len=4096, gpu_memory_utilization=0.88, max_num_seqs=64)  # fmt: skip
+                    max_model_len=4096, gpu_memory_utilization=0.88, max_num_seqs=64,
+                    jit_monitor_verbose=True)  # fmt: skip  # logs every compile while serving
     if ns.mode != "base":
         make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8)

@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # e2e device calls after the vLLM pieces are in place (../shared/gpu/README.md), from the repo root:
-#   bash bench/e2e/run_device.sh COMMIT MODE...     MODE: check | base | stock | plugin
+#   bash bench/e2e/run_device.sh COMMIT MODE...
+#   MODE: check | base | stock | plugin | serve-plugin | serve-stock
 # check: greedy tokens with and without the plugin on a small real-weight MoE (bench_e2e.py);
-# the others: the 16 x 1600/600 workload with a decode-step profile. JSON rows and a log in $OUT.
+# base/stock/plugin: the 16 x 1600/600 workload offline, with a decode-step profile, and a count of
+# the Triton compiles vLLM's jit_monitor saw while serving; serve-*: the same workload through
+# loraplex's HTTP server (serve_e2e.py; needs the server's wheels in /tmp/site).
+# JSON rows and one log per mode in $OUT.
 set -uo pipefail
 commit=$1
 shift
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-log="$OUT/e2e_$(IFS=_; echo "$*").log"
 for mode in "$@"; do
-  if [ "$mode" = check ]; then
-    for m in check-stock check-plugin; do
-      timeout 240 python3 bench/e2e/bench_e2e.py "$m" --commit "$commit" --out "$OUT" \
-        --install /tmp/site >>"$log" 2>&1
-    done
-    python3 bench/e2e/bench_e2e.py compare --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
-  else
-    timeout 480 python3 bench/e2e/bench_e2e.py "$mode" --profile --commit "$commit" \
-      --out "$OUT" --install /tmp/site >>"$log" 2>&1
-  fi
-  grep -E "RESULT|CHECK|loraplex MoE|Traceback|Error" "$log" | cut -c1-600 | tail -12
+  log="$OUT/e2e_$mode.log"
+  case "$mode" in
+    check)
+      for m in check-stock check-plugin; do
+        timeout 240 python3 bench/e2e/bench_e2e.py "$m" --commit "$commit" --out "$OUT" \
+          --install /tmp/site >>"$log" 2>&1
+      done
+      python3 bench/e2e/bench_e2e.py compare --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log" ;;
+    serve-*)
+      timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \
+        --out "$OUT" --install /tmp/site >"$log" 2>&1 ;;
+    *)
+      timeout 480 python3 bench/e2e/bench_e2e.py "$mode" --profile --commit "$commit" \
+        --out "$OUT" --install /tmp/site >"$log" 2>&1
+      echo "$mode: Triton compiles while serving: $(grep -c 'JIT compilation during inference' "$log")"
+      grep 'JIT compilation during inference' "$log" | grep -oE 'inference: [A-Za-z0-9_]+' | sort | uniq -c ;;
+  esac
+  grep -E "RESULT|CHECK|ROW|loraplex MoE|Traceback|Error" "$log" | cut -c1-600 | tail -12
 done

@@ -3,11 +3,18 @@ which the plugin must refuse with a log line (it was built against vLLM 0.26).""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
 
-from loraplex.kernels.plugin import ENV_SWITCH, PluginState, register
+from loraplex.kernels.plugin import (
+    ENV_SWITCH,
+    WARM_UP_FIRST_TOKENS,
+    PluginState,
+    register,
+    warm_up_sizes,
+)
 
 
 @pytest.mark.parametrize("value", ["0", "false", "Off", " no "])
@@ -33,3 +40,17 @@ def test_unsupported_vllm_keeps_stock_kernels_and_says_so(
         assert register() is PluginState.UNSUPPORTED
         assert register() is PluginState.UNSUPPORTED  # idempotent, still no crash
     assert f"vLLM {vllm.__version__} is not supported" in caplog.text
+
+
+@pytest.mark.parametrize("max_tokens", [8192, 2048, 5000, 100])
+def test_warm_up_sizes_reach_every_range_with_both_divisibilities(max_tokens: int) -> None:
+    sizes = warm_up_sizes(max_tokens)
+    assert sizes == sorted(set(sizes), reverse=True)
+    assert sizes[0] == max_tokens and sizes[-1] == WARM_UP_FIRST_TOKENS
+    # No size range is skipped: neighbours are at most sqrt(2) apart.
+    assert all(a / b <= 2**0.5 + 1e-9 for a, b in itertools.pairwise(sizes))
+    assert any(n % 16 == 0 for n in sizes) and any(n % 16 for n in sizes)
+
+
+def test_warm_up_below_the_first_size_is_one_step_of_the_whole_budget() -> None:
+    assert warm_up_sizes(WARM_UP_FIRST_TOKENS // 2) == [WARM_UP_FIRST_TOKENS // 2]

@@ -68,3 +68,9 @@ def test_missing_config_file_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as e:
         load_settings()
     assert CONFIG_FILE_ENV in str(e.value)
+
+
+def test_load_format_names_the_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(engine={"load_format": "pt"})
+    assert "engine.load_format" in str(err.value) and "'auto' or 'dummy'" in str(err.value)
