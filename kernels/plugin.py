@@ -211,26 +211,47 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def _warm_up_lora(runner: Any, max_tokens: int) -> None:
-    """LoRA-active dummy steps over `warm_up_sizes`; a failure is logged, never raised."""
+def warm_up_rows(max_rows: int) -> list[int]:
+    """Sampled-row counts for the LoRA on the logits (vLLM's `add_lora_logits`, which runs
+    eagerly every step): one row, a multiple of 16 and neither (Triton's specialisations), on
+    both sides of the 128 rows where vLLM's default shrink config changes. One row came up on
+    the H200: a step where a single request finishes its prompt samples one row."""
+    return sorted(n for n in {1, 2, 16, 128, 129, 144} if n <= max_rows)
+
+
+def _warm_up_lora(runner: Any, max_tokens: int, max_rows: int) -> None:
+    """LoRA-active dummy steps over `warm_up_sizes`, with every LoRA slot active and with one
+    (vLLM's MoE-LoRA kernel takes the active count as an integer argument, which Triton
+    specialises when it is 1), then logits over `warm_up_rows`. A failure is logged, never
+    raised."""
     lora_config = getattr(runner, "lora_config", None)
     if lora_config is None:
         return
     from vllm.config import CUDAGraphMode
 
     start = time.perf_counter()
-    sizes = warm_up_sizes(max_tokens)
+    sizes, rows = warm_up_sizes(max_tokens), warm_up_rows(max_rows)
+
+    def step(tokens: int, active: int) -> Any:
+        # Dummy LoRAs stay in between; vLLM's own warm-up removes them after.
+        return runner._dummy_run(
+            tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True, remove_lora=False,
+            num_active_loras=active,
+        )  # fmt: skip
+
     try:
-        for n in sizes:  # dummy LoRAs stay in between; vLLM's own warm-up removes them after
-            runner._dummy_run(
-                n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True, remove_lora=False,
-                num_active_loras=lora_config.max_loras,
-            )  # fmt: skip
+        for active in sorted({lora_config.max_loras, 1}, reverse=True):
+            for n in sizes:
+                step(n, active)
+        for n in rows:
+            _, last_hidden_states = step(n, min(n, lora_config.max_loras))
+            runner.model.compute_logits(last_hidden_states)
     except Exception:
         log.exception("loraplex MoE-LoRA kernels: LoRA warm-up failed; serving goes on")
         return
-    log.info("loraplex MoE-LoRA kernels: LoRA warm-up of %d prefill sizes (%d..%d tokens) in "
-             "%.1f s", len(sizes), sizes[-1], sizes[0], time.perf_counter() - start)  # fmt: skip
+    log.info("loraplex MoE-LoRA kernels: LoRA warm-up of %d prefill sizes (%d..%d tokens) and "
+             "%d logits row counts in %.1f s", len(sizes), sizes[-1], sizes[0], len(rows),
+             time.perf_counter() - start)  # fmt: skip
 
 
 def _patch_warm_up() -> None:
@@ -243,7 +264,8 @@ def _patch_warm_up() -> None:
 
     @functools.wraps(original)
     def compile_or_warm_up_model(self: Any) -> Any:
-        _warm_up_lora(self.model_runner, self.scheduler_config.max_num_batched_tokens)
+        scheduler = self.scheduler_config
+        _warm_up_lora(self.model_runner, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         return original(self)
 
     compile_or_warm_up_model._loraplex_warm_up = True  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ from loraplex.kernels.plugin import (
     WARM_UP_FIRST_TOKENS,
     PluginState,
     register,
+    warm_up_rows,
     warm_up_sizes,
 )
 
@@ -54,3 +55,9 @@ def test_warm_up_sizes_reach_every_range_with_both_divisibilities(max_tokens: in
 
 def test_warm_up_below_the_first_size_is_one_step_of_the_whole_budget() -> None:
     assert warm_up_sizes(WARM_UP_FIRST_TOKENS // 2) == [WARM_UP_FIRST_TOKENS // 2]
+
+
+def test_warm_up_rows_cover_one_row_and_both_sides_of_128_within_the_batch() -> None:
+    assert warm_up_rows(256) == [1, 2, 16, 128, 129, 144]
+    assert warm_up_rows(64) == [1, 2, 16]
+    assert warm_up_rows(1) == [1]
