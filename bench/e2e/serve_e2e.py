@@ -219,7 +219,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     base = next((r for r in rows if r["requests"] == "base"), None)
-    meta = {**stamp(), "commit": ns.commit, "layers": ns.layers}
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    meta = {**stamp(), "gpu": gpu, "commit": ns.commit, "layers": ns.layers}
     for row in rows:
         if base is not None:
             row["vs_base"] = row["decode_tok_s_per_req"] / base["decode_tok_s_per_req"]
