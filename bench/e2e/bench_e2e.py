@@ -117,12 +117,15 @@ def run_workload(ns: argparse.Namespace) -> dict:
     if ns.mode != "base":
         make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8)
-    prof_dir = Path(f"/tmp/e2e_prof_{ns.mode}")
+    prof_dir = Path(f"/tmp/e2e_prof_{ns.mode}_{ns.profile}")
     if ns.profile:
-        # Decode steps only: the prefill of 16 x 1600 tokens takes a few engine iterations.
+        # Decode: skip the few engine iterations that prefill 16 x 1600 tokens, then 20 steps.
+        # Prefill: every iteration of one 16-prompt, 1-token generate.
+        window = (0, 0) if ns.profile == "prefill" else (12, 20)
         kw["profiler_config"] = {
             "profiler": "torch", "torch_profiler_dir": str(prof_dir),
-            "torch_profiler_with_stack": False, "delay_iterations": 12, "max_iterations": 20,
+            "torch_profiler_with_stack": False, "delay_iterations": window[0],
+            "max_iterations": window[1],
         }  # fmt: skip
     start = time.time()
     llm = LLM(**kw)
@@ -160,14 +163,19 @@ def run_workload(ns: argparse.Namespace) -> dict:
             }
         )
     profile = None
-    if ns.profile:
+    if ns.profile == "decode":
         llm.start_profile()
         llm.generate(prompts(), SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False),
                      lora_request=lrs, use_tqdm=False)  # fmt: skip
         llm.stop_profile()
         profile = summarize_traces(prof_dir, steps=20)
+    elif ns.profile == "prefill":
+        llm.start_profile()
+        llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
+        llm.stop_profile()
+        profile = summarize_traces(prof_dir, steps=1)  # µs per prefill of 16 x 1600 tokens
     return {
-        "startup_s": startup, "reps": reps, "decode_profile_us_per_step": profile,
+        "startup_s": startup, "reps": reps, f"{ns.profile}_profile_us": profile,
         "otps_per_req_median": statistics.median(r["otps_per_req"] for r in reps),
         "prefill_s_median": statistics.median(r["prefill_s"] for r in reps),
     }  # fmt: skip
@@ -261,7 +269,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="torch-profile 20 decode steps")
+    parser.add_argument(
+        "--profile", choices=["decode", "prefill"],
+        help="torch-profile 20 decode steps, or one prefill of the 16 prompts",
+    )  # fmt: skip
     parser.add_argument("--install", type=Path, help="write the plugin's dist-info here first")
     ns = parser.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
