@@ -223,7 +223,11 @@ def _warm_up_lora(runner: Any, max_tokens: int, max_rows: int) -> None:
     """LoRA-active dummy steps over `warm_up_sizes`, with every LoRA slot active and with one
     (vLLM's MoE-LoRA kernel takes the active count as an integer argument, which Triton
     specialises when it is 1), then logits over `warm_up_rows`. A failure is logged, never
-    raised."""
+    raised.
+
+    Measured on the H200 (issue 6 workload, 16,384-token budget): 40 s more at start; Triton
+    compiles while serving went from 3 (this ladder with all slots only) to 0, and the plugin's
+    repetitions from 57-64 to 63-65 tok/s per request."""
     lora_config = getattr(runner, "lora_config", None)
     if lora_config is None:
         return
