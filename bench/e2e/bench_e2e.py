@@ -64,9 +64,10 @@ QWEN3_30B_A3B = {
 }  # fmt: skip
 
 
-def make_model(path: Path, layers: int) -> dict[str, Any]:
-    """config.json of the Qwen3-30B-A3B shape with `layers` layers; returns the config."""
-    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
+def make_model(path: Path, layers: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of the Qwen3-30B-A3B shape with `layers` layers (and `overrides`, e.g. a tiny
+    shape for a CPU dry run); returns the config."""
+    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": layers, **(overrides or {})}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     return cfg

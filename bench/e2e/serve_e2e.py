@@ -25,22 +25,18 @@ import asyncio
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from bench.common import stamp
 from bench.e2e.bench_e2e import RANK, install_entry_point, make_adapter, make_model
 from bench.loadgen.client import run_workload
 from bench.loadgen.report import print_table, summarize
 from bench.loadgen.workload import TenantLoad, Workload
+from tests.support.server_process import ServerProcess
 
 ADAPTERS = [f"ad{i}" for i in range(8)]
-PORT = 8000
+START_TIMEOUT_S = 480.0  # engine build, LoRA warm-up and registering 8 x 3.2 GiB adapters
 
 
 def write_shape_only_checkpoint(model_dir: Path, cfg: dict[str, Any]) -> None:
@@ -97,19 +93,17 @@ TINY = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
         "torch_dtype": "float32"}  # fmt: skip
 
 
-def prepare(root: Path, layers: int, tiny: bool) -> tuple[Path, Path]:
-    """The model directory and a folder of 8 adapters (one set of weights under 8 names, hard
-    links, as bench_e2e.py serves one file under 8 LoRA ids)."""
+def prepare(root: Path, layers: int, tiny: bool) -> tuple[Path, Path, dict[str, Any]]:
+    """The model directory, a folder of 8 adapters (one set of weights under 8 names, hard
+    links, as bench_e2e.py serves one file under 8 LoRA ids), and the model's config."""
     model = root / ("tiny-qwen3-moe" if tiny else "qwen3-30b-a3b-shape")
     adapters = root / "adapters"
-    if not (model / "model.safetensors").exists():
-        cfg = make_model(model, layers)
-        if tiny:
-            cfg |= TINY
-            (model / "config.json").write_text(json.dumps(cfg))
+    if (model / "model.safetensors").exists():
+        cfg = json.loads((model / "config.json").read_text())
+    else:
+        cfg = make_model(model, layers, TINY if tiny else None)
         write_placeholder_tokenizer(model, cfg["vocab_size"], cfg["eos_token_id"])
         write_shape_only_checkpoint(model, cfg)
-    cfg = json.loads((model / "config.json").read_text())
     first = adapters / ADAPTERS[0]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -120,11 +114,11 @@ def prepare(root: Path, layers: int, tiny: bool) -> tuple[Path, Path]:
         for f in first.iterdir():
             if not (adapters / name / f.name).exists():
                 os.link(f, adapters / name / f.name)
-    return model, adapters
+    return model, adapters, cfg
 
 
-def server_env(mode: str, cache: Path) -> dict[str, str]:
-    settings = {
+def server_settings(mode: str, cache: Path) -> dict[str, str]:
+    return {
         "LORAPLEX_CACHE_DIR": str(cache),
         "LORAPLEX_ENGINE__LOAD_FORMAT": "dummy",
         "LORAPLEX_ENGINE__MAX_LORAS": "8",
@@ -138,47 +132,29 @@ def server_env(mode: str, cache: Path) -> dict[str, str]:
         "LORAPLEX_REGISTRY__DISK_CACHE_GIB": "40",
         "LORAPLEX_TENANCY__MAX_RUNNING": "64",  # the gateway must not be what limits the batch
     }
-    return {**os.environ, **settings}
 
 
-def start_server(mode: str, model: Path, adapters: Path, cache: Path, log: Path) -> Any:
-    cmd = [sys.executable, "-m", "loraplex.server.cli", "serve", "--model", str(model),
-           "--adapters-dir", str(adapters), "--port", str(PORT)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=server_env(mode, cache), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.time() + 480
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server ({mode}) exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.kill()
-    raise RuntimeError(f"server ({mode}) not ready in 480 s; see {log}")
-
-
-def load(ns: argparse.Namespace, model: str, adapters: list[str | None], requests: int,
-         output_len: int) -> Any:  # fmt: skip
+def load(ns: argparse.Namespace, server: ServerProcess, model: str, adapters: list[str | None],
+         requests: int, output_len: int) -> Any:  # fmt: skip
     tenant = TenantLoad(name="e2e", adapters=adapters, concurrency=16, prompt_len=ns.prompt_len,
                         output_len=output_len, num_requests=requests)  # fmt: skip
-    workload = Workload(base_url=f"http://127.0.0.1:{PORT}", model=model, duration_s=600,
+    workload = Workload(base_url=server.base_url, model=model, duration_s=600,
                         warmup_requests=0, vocab_low=10, vocab_high=ns.vocab_high,
                         tenants=[tenant])  # fmt: skip
     samples, wall_s = asyncio.run(run_workload(workload))
     return summarize(workload, samples, wall_s)
 
 
-def measure(ns: argparse.Namespace, mode: str, model: str) -> list[dict[str, Any]]:
+def measure(
+    ns: argparse.Namespace, server: ServerProcess, mode: str, model: str
+) -> list[dict[str, Any]]:
     rows = []
     runs: list[tuple[str, list[str | None]]] = [("base", [None]), ("lora", list(ADAPTERS))]
     for kind, adapters in runs:
         if mode == "stock" and kind == "base":
             continue  # no LoRA kernel runs on base requests: the plugin server's figure stands
-        load(ns, model, adapters, 16, 16)  # warm-up: loads every adapter, compiles
-        summary = load(ns, model, adapters, ns.requests, ns.output_len)
+        load(ns, server, model, adapters, 16, 16)  # warm-up: loads every adapter, compiles
+        summary = load(ns, server, model, adapters, ns.requests, ns.output_len)
         print_table(summary)
         t = summary["tenants"]["e2e"]
         if t["tpot_s"]["p50"] is None:
@@ -208,16 +184,19 @@ def main() -> None:
     ns.out.mkdir(parents=True, exist_ok=True)
     if ns.install:
         install_entry_point(ns.install)
-    model, adapters = prepare(ns.root, ns.layers, ns.tiny)
-    ns.vocab_high = json.loads((model / "config.json").read_text())["vocab_size"] - 1
+    model, adapters, cfg = prepare(ns.root, ns.layers, ns.tiny)
+    ns.vocab_high = cfg["vocab_size"] - 1
     rows: list[dict[str, Any]] = []
     for mode in ns.modes:
-        proc = start_server(mode, model, adapters, ns.root / "cache", ns.out / f"serve_{mode}.log")
+        server = ServerProcess(
+            env=server_settings(mode, ns.root / "cache"),
+            args=["--model", str(model), "--adapters-dir", str(adapters)],
+            log_path=ns.out / f"serve_{mode}.log",
+        )
         try:
-            rows += measure(ns, mode, model.name)
+            rows += measure(ns, server.start(timeout=START_TIMEOUT_S), mode, model.name)
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            server.stop(timeout=60)
     base = next((r for r in rows if r["requests"] == "base"), None)
     import torch
 
