@@ -2,18 +2,19 @@
 
 Tenant B sends at `rate` req/s; tenant A at 8x that. Three runs on one machine, in one go:
 
-1. `b_alone`    B alone, loraplex with fair dispatch (`tenancy.max_running` slots).
+1. `b_alone`    B alone, loraplex with fair dispatch (`tenancy.max_running` slots) and, on CPU,
+                paced prefills (`engine.paced_prefill_tokens`).
 2. `fair`       A and B together, same server.
 3. `reference`  A and B together on a server that admits everything straight to the engine
-                (`max_running` = `max_queued` = 4096, `engine_priority` off: no gateway
-                fairness, vLLM's first come, first served only).
+                (`max_running` = `max_queued` = 4096, `engine_priority` off, vLLM's own
+                scheduler: no gateway fairness, vLLM's first come, first served only).
 
 Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and writes
 `bench/results/fairness-<commit>-<config>.json` plus one PNG chart per run (the config in the name,
 so runs of one commit with different settings do not overwrite each other).
 
     python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 8] [--active-window S]
-                             [--max-num-batched-tokens N]
+                             [--max-num-batched-tokens N] [--paced-prefill-tokens N]
 """
 
 from __future__ import annotations
@@ -52,8 +53,15 @@ def server_config(args: argparse.Namespace, *, gateway_fairness: bool = True) ->
             "tenants": [{"id": t, "api_keys": [k]} for t, k in KEYS.items()],
         }
     }
+    engine: dict[str, Any] = {}
     if args.max_num_batched_tokens is not None:
-        config["engine"] = {"max_num_batched_tokens": args.max_num_batched_tokens}
+        engine["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if not gateway_fairness or args.paced_prefill_tokens == 0:
+        engine["paced_prefill_tokens"] = None  # vLLM's own scheduler
+    elif args.paced_prefill_tokens is not None:
+        engine["paced_prefill_tokens"] = args.paced_prefill_tokens
+    if engine:
+        config["engine"] = engine
     return config
 
 
@@ -95,7 +103,8 @@ def server_side(server: LiveServer, samples: list[Sample], tenant: str) -> dict[
 def tag(args: argparse.Namespace) -> str:
     """The run's settings, for file names."""
     budget = f"-tok{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
-    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}{budget}"
+    paced = "" if args.paced_prefill_tokens is None else f"-paced{args.paced_prefill_tokens}"
+    return f"rate{args.rate:g}-mr{args.max_running}-win{args.active_window:g}{budget}{paced}"
 
 
 def run(
@@ -125,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None,
         help="engine.max_num_batched_tokens for both servers (vLLM's default if unset)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--paced-prefill-tokens", type=int, default=None,
+        help="engine.paced_prefill_tokens for the fair server, 0 for none (unset: the server's "
+        "default); the reference always has vLLM's own scheduler",
     )  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)

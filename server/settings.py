@@ -52,6 +52,14 @@ class EngineSettings(BaseModel):
         "that do not fit go in tenancy priority order; a small budget prefills long prompts in "
         "more chunks.",
     )
+    paced_prefill_tokens: int | None = Field(
+        16,
+        ge=1,
+        description="CPU engines: a backlogged tenant's requests (tenancy.engine_priority above 0) "
+        "prefill at most this many prompt tokens per step and sit out the steps that prefill "
+        "another tenant's request, so those steps stay short (server/engine/paced_prefill.py). "
+        "None: vLLM's own scheduler.",
+    )
     max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
     max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted.")

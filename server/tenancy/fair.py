@@ -16,12 +16,14 @@ Two rules decide who goes next when a slot frees:
    flooding tenant gets everything the others do not need, and a light tenant always finds a free
    slot for its next request.
 
-Each dispatched request also carries an engine priority: how many of its tenant's requests were
-already in the engine. vLLM (scheduling_policy "priority") takes waiting requests lowest first when
-a step's token budget cannot hold every waiting prefill, so a light tenant's prefill goes before
-the next of a flooding tenant's. On the CPU fairness bench (64-token prompts, budget 80) it did not
-measurably lower the light tenant's p90 TTFT (1.75x alone, against 1.62-1.86x without): there
-the light tenant waits for a step already running, which no priority can shorten.
+Each dispatched request also carries an engine priority: 0 when its tenant's requests all fit its
+share (none left waiting here) or the tenant is alone, and 1 + the tenant's requests already in
+the engine when it is backlogged beside others. vLLM (scheduling_policy "priority") takes waiting
+requests lowest first, and on CPU engines the paced-prefill scheduler (engine/paced_prefill.py)
+prefills priority-0 requests whole in a step of their own while prefilling the others in small
+chunks. Priority ordering alone did not lower the light tenant's p90 TTFT on the CPU fairness
+bench (1.75x alone, against 1.62-1.86x without): that tenant waited for a step already running
+one of the flood's whole prefills, which no ordering can shorten; pacing shortens those steps.
 
 Requests cancelled while queued are removed and never dispatched. Used from one event loop.
 """
@@ -210,11 +212,18 @@ class FairDispatcher:
             queue = self._tenants[best[1]]
             waiter = queue.waiting.popleft()
             self._queued -= 1
-            waiter.engine_priority = queue.running if self._engine_priority else 0
+            waiter.engine_priority = self._engine_priority_of(queue, caps)
             queue.running += 1
             self._running += 1
             self._virtual_time = waiter.start_tag
             waiter.future.set_result(None)
+
+    def _engine_priority_of(self, queue: _TenantQueue, caps: dict[str, float]) -> int:
+        """0 for a tenant whose requests all fit its share (none left waiting here); for one
+        still backlogged, 1 + its requests in the engine. Alone, a tenant's requests are all 0."""
+        if not self._engine_priority or len(caps) < 2 or not queue.waiting:
+            return 0
+        return 1 + queue.running
 
     def queued(self, tenant_id: str) -> int:
         queue = self._tenants.get(tenant_id)

@@ -80,9 +80,10 @@ class TenancySettings(BaseModel):
     )
     engine_priority: bool = Field(
         default=True,
-        description="Give the engine each request's priority (its tenant's requests already in "
-        "the engine), so a light tenant's prefill is scheduled before a flooding tenant's. "
-        "False: vLLM serves waiting requests first come, first served.",
+        description="Give the engine each request's priority: 0 for a tenant whose requests fit "
+        "its share, 1 + its requests in the engine for one backlogged beside other tenants. A "
+        "light tenant's prefill is then scheduled first, and a backlogged tenant's prefills are "
+        "paced (engine.paced_prefill_tokens). False: vLLM's first come, first served.",
     )
     adapter_label_top_k: int = Field(
         default=20,

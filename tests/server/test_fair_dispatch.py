@@ -176,19 +176,38 @@ def test_headroom_follows_the_peak_within_the_window() -> None:
     run(scenario())
 
 
-def test_engine_priority_is_the_tenants_requests_already_in_the_engine() -> None:
-    """vLLM schedules lower priorities first: a light tenant's request outranks a flood's."""
+def test_engine_priority_is_zero_unless_the_tenant_is_backlogged_beside_others() -> None:
+    """vLLM schedules lower priorities first, and the paced-prefill scheduler paces any priority
+    above 0: a tenant whose requests all fit its share gets 0, a backlogged one 1 + its requests
+    already in the engine, and a tenant alone always 0."""
 
-    async def scenario(engine_priority: bool) -> tuple[list[int], int]:
+    async def scenario(engine_priority: bool) -> tuple[int, list[int], int, int]:
         d = FairDispatcher(
-            max_running=8, max_queued=100, active_window_s=10.0, engine_priority=engine_priority
+            max_running=4, max_queued=100, active_window_s=10.0, engine_priority=engine_priority
         )
-        flood = [d.enqueue("a", 1.0) for _ in range(4)]
-        light = d.enqueue("b", 1.0)
-        priorities = [t.engine_priority for t in flood], light.engine_priority
-        for t in [*flood, light]:
+        light = d.enqueue("b", 1.0)  # alone: 0
+        flood = [d.enqueue("a", 1.0) for _ in range(6)]  # two fit a's share, four wait
+        first = [t.engine_priority for t in flood if t.dispatched]
+        flood[0].close()  # a's next goes in with three more behind it: backlogged
+        backlogged = next(t for t in flood[2:] if t.dispatched).engine_priority
+        light_again = d.enqueue("b", 1.0).engine_priority  # b is within its share
+        for t in [light, *flood]:
+            t.close()
+        return light.engine_priority, first, backlogged, light_again
+
+    assert run(scenario(True)) == (0, [0, 0], 2, 0)
+    assert run(scenario(False)) == (0, [0, 0], 0, 0)  # off: vLLM's first come, first served
+
+
+def test_a_tenant_alone_is_never_backlogged_for_the_engine() -> None:
+    async def scenario() -> list[int]:
+        d = FairDispatcher(max_running=2, max_queued=100, active_window_s=10.0)
+        flood = [d.enqueue("a", 1.0) for _ in range(5)]
+        for t in flood[:2]:  # two more go in, one still waiting behind them
+            t.close()
+        priorities = [t.engine_priority for t in flood if t.dispatched]
+        for t in flood:
             t.close()
         return priorities
 
-    assert run(scenario(True)) == ([0, 1, 2, 3], 0)
-    assert run(scenario(False)) == ([0, 0, 0, 0], 0)  # off: vLLM's first come, first served
+    assert run(scenario()) == [0, 0, 0, 0]
