@@ -11,8 +11,9 @@ about 100 ms for the decodes alone. This scheduler keeps those steps short:
 
 - paced prompts prefill `paced_prefill_tokens` per step, one paced request at a time (the
   oldest): on that bench a 16-token chunk adds about 45 ms to a step;
-- while a light request still has prompt to prefill, the step carries the decodes and the light
-  prompts, whole: paced chunks sit that step out.
+- while a light request still has prompt to prefill, the step carries the light prompts, whole,
+  and the light requests' decodes: paced requests sit that step out, so it costs what it would
+  with the light tenants alone (the flood's decodes lose one step per light request).
 
 With only light requests (one tenant, or tenancy.engine_priority off) it schedules exactly as
 vLLM's scheduler does (tests/server/test_paced_prefill.py checks step by step).
@@ -60,18 +61,21 @@ class PacedPrefillScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         light = [r for r in self.waiting if r.priority == 0]
         light += [r for r in self.running if r.priority == 0 and _prefill_left(r) > 0]
-        paced = [r for r in self.running if r.priority > 0 and _prefill_left(r) > 0]
-        decodes = sum(1 for r in self.running if _prefill_left(r) == 0)
+        paced = [r for r in self.running if r.priority > 0]
         if light:
-            # Decodes and the light prompts, whole; every paced prefill sits this step out.
+            # The light prompts, whole, and the light requests' decodes: every paced request sits
+            # this step out, so the step costs what it would with the light tenants alone.
             sit_out = paced
             threshold = 0
+            decodes = sum(1 for r in self.running if r.priority == 0 and _prefill_left(r) == 0)
             budget = decodes + sum(_prefill_left(r) + 1 for r in light)
         else:
-            # Decodes and one paced chunk: the oldest paced prefill goes on, or else the first
-            # waiting one starts.
-            sit_out = sorted(paced, key=lambda r: (r.priority, r.arrival_time))[1:]
+            # Every decode and one paced chunk: the oldest paced prefill goes on, or else the
+            # first waiting one starts.
+            prefilling = [r for r in paced if _prefill_left(r) > 0]
+            sit_out = sorted(prefilling, key=lambda r: (r.priority, r.arrival_time))[1:]
             threshold = self.paced_prefill_tokens
+            decodes = sum(1 for r in self.running if _prefill_left(r) == 0)
             budget = decodes + self.paced_prefill_tokens
         for request in sit_out:
             # vLLM skips a running request until this step (schedule() counts it up first).

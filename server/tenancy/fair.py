@@ -128,17 +128,26 @@ class FairDispatcher:
         """Join the tenant's queue (dispatching at once if a slot is free and it is our turn).
 
         Must be called from the event loop's thread. Raises QueueFull, without queueing, when the
-        request would have to wait and `max_queued` requests are already waiting.
+        request would have to wait and `max_queued` requests are already waiting, or the tenant
+        already has its weighted share of `max_queued` waiting while other tenants are active (so
+        a flood cannot fill the queue and turn a light tenant's next request into a 503).
         """
         queue = self._tenants.get(tenant_id)
         if queue is None:
             queue = self._tenants[tenant_id] = _TenantQueue(weight=weight)
         queue.weight = weight
-        if self._queued >= self.max_queued and not self._may_start_now(tenant_id, queue):
-            raise QueueFull(
-                f"The server is overloaded: {self._queued} requests are queued "
-                f"(tenancy.max_queued is {self.max_queued})."
-            )
+        if not self._may_start_now(tenant_id, queue):
+            if self._queued >= self.max_queued:
+                raise QueueFull(
+                    f"The server is overloaded: {self._queued} requests are queued "
+                    f"(tenancy.max_queued is {self.max_queued})."
+                )
+            if len(queue.waiting) >= self._queue_share(tenant_id):
+                raise QueueFull(
+                    f"The server is overloaded: {len(queue.waiting)} of your requests are "
+                    "queued, your share of the queue (tenancy.max_queued) while other tenants "
+                    "are active."
+                )
         start = max(self._virtual_time, queue.last_finish_tag)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(future, start, start + cost / weight, self._clock())
@@ -162,6 +171,12 @@ class FairDispatcher:
             and self._running < self.max_running
             and queue.running < self._caps().get(tenant_id, self.max_running)
         )
+
+    def _queue_share(self, tenant_id: str) -> int:
+        """The tenant's weighted share of `max_queued` among the active tenants (and itself)."""
+        active = {*self._caps(), tenant_id}
+        weights = sum(self._tenants[tid].weight for tid in active)
+        return max(1, int(self.max_queued * self._tenants[tenant_id].weight / weights))
 
     def _release(self, tenant_id: str) -> None:
         queue = self._tenants[tenant_id]

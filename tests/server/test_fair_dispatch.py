@@ -136,6 +136,32 @@ def test_bounded_queue_refuses_when_full_but_not_when_a_slot_is_free() -> None:
     run(scenario())
 
 
+def test_a_flood_cannot_take_more_than_its_share_of_the_queue_beside_others() -> None:
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=2, max_queued=8, active_window_s=10.0)
+        light = d.enqueue("b", 1.0)
+        flood = [d.enqueue("a", 1.0) for _ in range(5)]  # 1 running + 4 queued: half of 8
+        with pytest.raises(QueueFull, match="your share of the queue"):
+            d.enqueue("a", 1.0)
+        queued_b = [d.enqueue("b", 1.0) for _ in range(3)]  # b still has room to wait
+        assert d.queued("b") == 3
+        for t in [light, *flood, *queued_b]:
+            t.close()
+
+    run(scenario())
+
+
+def test_a_tenant_alone_may_fill_the_whole_queue() -> None:
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=1, max_queued=4, active_window_s=10.0)
+        tickets = [d.enqueue("a", 1.0) for _ in range(5)]  # 1 running + 4 queued
+        assert d.queued("a") == 4
+        for t in tickets:
+            t.close()
+
+    run(scenario())
+
+
 def test_queue_time_is_measured() -> None:
     async def scenario() -> float:
         d = FairDispatcher(max_running=1, max_queued=10, active_window_s=10.0)

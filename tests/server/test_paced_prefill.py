@@ -109,16 +109,20 @@ def test_one_paced_chunk_per_step_the_oldest_first(vllm_config) -> None:  # type
     assert step(scheduler) == {"a-1": 1, "a-2": PACED}  # a-1 decodes; a-2's turn
 
 
-def test_a_light_prompt_goes_whole_and_paced_chunks_sit_that_step_out(vllm_config) -> None:  # type: ignore[no-untyped-def]
+def test_a_light_prompt_goes_whole_in_a_step_the_paced_requests_sit_out(vllm_config) -> None:  # type: ignore[no-untyped-def]
     scheduler = make_scheduler(vllm_config, paced=True)
-    scheduler.add_request(request("a-1", priority=0))
-    step(scheduler)
+    scheduler.add_request(request("light-1", priority=0))
+    scheduler.add_request(request("a-1", priority=1))
+    step(scheduler)  # light-1 whole; a-1 waits
+    for _ in range(PROMPT // PACED):
+        step(scheduler)  # a-1's prompt, in chunks; now it decodes
     scheduler.add_request(request("a-2", priority=2))
-    assert step(scheduler)["a-2"] == PACED  # a-2 is mid-prompt
+    assert step(scheduler) == {"light-1": 1, "a-1": 1, "a-2": PACED}  # a-2 is mid-prompt
     scheduler.add_request(request("b-first", priority=0))
     scheduler.add_request(request("a-3", priority=3))
-    assert step(scheduler) == {"a-1": 1, "b-first": PROMPT}  # a-2 and a-3 wait a step
-    assert step(scheduler) == {"a-1": 1, "b-first": 1, "a-2": PACED}
+    # Light requests only: b's prompt and light-1's decode; a-1, a-2 and a-3 wait one step.
+    assert step(scheduler) == {"light-1": 1, "b-first": PROMPT}
+    assert step(scheduler) == {"light-1": 1, "a-1": 1, "a-2": PACED, "b-first": 1}
 
 
 def test_with_every_request_light_it_schedules_as_vllm_does(vllm_config) -> None:  # type: ignore[no-untyped-def]
