@@ -21,9 +21,10 @@ share (none left waiting here) or the tenant is alone, and 1 + the tenant's requ
 the engine when it is backlogged beside others. vLLM (scheduling_policy "priority") takes waiting
 requests lowest first, and on CPU engines the paced-prefill scheduler (engine/paced_prefill.py)
 prefills priority-0 requests whole in a step of their own while prefilling the others in small
-chunks. Priority ordering alone did not lower the light tenant's p90 TTFT on the CPU fairness
-bench (1.75x alone, against 1.62-1.86x without): that tenant waited for a step already running
-one of the flood's whole prefills, which no ordering can shorten; pacing shortens those steps.
+chunks. On the CPU fairness bench (`bench.fairness`, 300 s) priority ordering alone left the light
+tenant's p90 TTFT at 1.75x alone: it waited for a step already running one of the flood's whole
+prefills, which no ordering can shorten. With pacing it was 1.36x
+(bench/results/fairness-29bcbb9-rate0.25-mr8-win60.json).
 
 Requests cancelled while queued are removed and never dispatched. Used from one event loop.
 """
