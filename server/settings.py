@@ -91,6 +91,16 @@ class EngineSettings(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_paced_chunk(self) -> EngineSettings:
+        # It reaches vLLM as long_prefill_token_threshold, which must not exceed max_model_len.
+        if self.paced_prefill_tokens is not None and self.paced_prefill_tokens > self.max_model_len:
+            raise ValueError(
+                f"engine.paced_prefill_tokens ({self.paced_prefill_tokens}) must be <= "
+                f"engine.max_model_len ({self.max_model_len})"
+            )
+        return self
+
 
 class HttpSettings(BaseModel):
     model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default

@@ -27,10 +27,6 @@ def export_engine_environment(settings: EngineSettings) -> None:
     """Set what vLLM's spawned processes read from the environment (they get no settings object)."""
     if on_cpu():
         os.environ[CPU_KV_CACHE_ENV] = str(settings.cpu_kv_cache_gib)
-    if settings.paced_prefill_tokens is not None and on_cpu():
-        from loraplex.server.engine.paced_prefill import PACED_PREFILL_TOKENS_ENV
-
-        os.environ[PACED_PREFILL_TOKENS_ENV] = str(settings.paced_prefill_tokens)
     # The kernels plugin runs inside vLLM's engine-core and worker processes; it reads this switch.
     os.environ[MOE_LORA_KERNELS_ENV] = "1" if settings.moe_lora_kernels else "0"
 
@@ -71,15 +67,16 @@ def engine_kwargs(settings: EngineSettings, model_dir: Path, served_name: str) -
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.paced_prefill_tokens is not None and on_cpu():
-        kwargs.update(paced_prefill_scheduler())
+        kwargs.update(paced_prefill_scheduler(settings.paced_prefill_tokens))
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     return kwargs
 
 
-def paced_prefill_scheduler() -> dict[str, Any]:
-    """`scheduler_cls` for engine.paced_prefill_tokens, or nothing (and a log line) on a vLLM
-    whose scheduler lacks what the pacing turns.
+def paced_prefill_scheduler(tokens: int) -> dict[str, Any]:
+    """`scheduler_cls` and its chunk size for engine.paced_prefill_tokens, or nothing (and a log
+    line) on a vLLM whose scheduler lacks what the pacing turns. The size travels in vLLM's own
+    `long_prefill_token_threshold`, which the scheduler sets per step (see paced_prefill.py).
 
     CPU engines only: vLLM schedules synchronously there. On GPUs it schedules ahead
     (`AsyncScheduler`); a `Scheduler` subclass would turn that off, at a decode cost not measured.
@@ -93,4 +90,7 @@ def paced_prefill_scheduler() -> dict[str, Any]:
         )
         return {}
     cls = paced_prefill.PacedPrefillScheduler
-    return {"scheduler_cls": f"{cls.__module__}.{cls.__qualname__}"}
+    return {
+        "scheduler_cls": f"{cls.__module__}.{cls.__qualname__}",
+        "long_prefill_token_threshold": tokens,
+    }

@@ -18,22 +18,19 @@ about 100 ms for the decodes alone. This scheduler keeps those steps short:
 With only light requests (one tenant, or tenancy.engine_priority off) it schedules exactly as
 vLLM's scheduler does (tests/server/test_paced_prefill.py checks step by step).
 
-Everything else is vLLM's scheduler. It reads three things of vLLM's `Scheduler` per call (the
+Everything else is vLLM's scheduler. It sets three things of vLLM's `Scheduler` per call (the
 chunk threshold in its config, `max_num_scheduled_tokens` and a request's
 `next_decode_eligible_step`), so `supported()` checks for them and the engine builder falls back to
-vLLM's own scheduler, with a log line, on a vLLM without them.
+vLLM's own scheduler, with a log line, on a vLLM without them. The chunk size comes in as the
+config's `long_prefill_token_threshold` (engine.paced_prefill_tokens, set by the builder); since
+every call sets that threshold for itself, vLLM never applies it as configured.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
-
-# Spawned engine-core processes get no settings object; the builder hands the size over here.
-PACED_PREFILL_TOKENS_ENV = "LORAPLEX_ENGINE__PACED_PREFILL_TOKENS"
-
 
 # What vLLM's `Scheduler.schedule` must read for the pacing to take effect (vLLM 0.32 does).
 KNOBS = ("long_prefill_token_threshold", "max_num_scheduled_tokens", "next_decode_eligible_step")
@@ -55,7 +52,7 @@ def _prefill_left(request: Any) -> int:
 class PacedPrefillScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.paced_prefill_tokens = int(os.environ[PACED_PREFILL_TOKENS_ENV])
+        self.paced_prefill_tokens = self.scheduler_config.long_prefill_token_threshold
         self._full_budget = self.max_num_scheduled_tokens
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,12 +77,10 @@ class PacedPrefillScheduler(Scheduler):
         for request in sit_out:
             # vLLM skips a running request until this step (schedule() counts it up first).
             request.next_decode_eligible_step = self.current_step + 2
-        config = self.scheduler_config
-        saved = config.long_prefill_token_threshold
-        config.long_prefill_token_threshold = threshold
+        self.scheduler_config.long_prefill_token_threshold = threshold
         self.max_num_scheduled_tokens = min(self._full_budget, budget)
         try:
             return super().schedule(*args, **kwargs)
         finally:
-            config.long_prefill_token_threshold = saved
+            self.scheduler_config.long_prefill_token_threshold = self.paced_prefill_tokens
             self.max_num_scheduled_tokens = self._full_budget

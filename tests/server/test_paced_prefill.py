@@ -4,8 +4,6 @@ does."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -38,12 +36,12 @@ def make_scheduler(vllm_config, paced: bool):  # type: ignore[no-untyped-def]
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from loraplex.server.engine.paced_prefill import (
-        PACED_PREFILL_TOKENS_ENV,
-        PacedPrefillScheduler,
-    )
+    from loraplex.server.engine.builder import paced_prefill_scheduler
+    from loraplex.server.engine.paced_prefill import PacedPrefillScheduler
 
-    os.environ[PACED_PREFILL_TOKENS_ENV] = str(PACED)
+    # As the builder configures the engine; vLLM's own scheduler runs with its defaults.
+    pacing = paced_prefill_scheduler(PACED)["long_prefill_token_threshold"] if paced else 0
+    vllm_config.scheduler_config.long_prefill_token_threshold = pacing
     block = 16
     vllm_config.cache_config.num_gpu_blocks = 1024
     spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=16, dtype=torch.float32)

@@ -74,3 +74,11 @@ def test_load_format_names_the_choices() -> None:
     with pytest.raises(ConfigError) as err:
         load_settings(engine={"load_format": "pt"})
     assert "engine.load_format" in str(err.value) and "'auto' or 'dummy'" in str(err.value)
+
+
+def test_paced_prefill_chunk_is_bounded_by_the_context() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(engine={"paced_prefill_tokens": 4096, "max_model_len": 2048})
+    assert "engine.paced_prefill_tokens (4096) must be <= engine.max_model_len (2048)" in str(
+        err.value
+    )
