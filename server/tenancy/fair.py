@@ -55,13 +55,19 @@ class _TenantQueue:
     waiting: deque[_Waiter] = field(default_factory=deque)
     running: int = 0
     last_finish_tag: float = 0.0
-    # (time, load) at every change within the active window: the window's peak is the demand.
+    # (time, load) within the active window, loads strictly falling from the oldest: the oldest is
+    # the window's peak, which is the demand (a sliding-window maximum, O(1) to read).
     history: deque[tuple[float, int]] = field(default_factory=deque)
     seen_at: float = 0.0
 
     @property
     def load(self) -> int:
         return self.running + len(self.waiting)
+
+    @property
+    def peak(self) -> int:
+        """The highest load in the active window (as of the last change) and now."""
+        return max(self.load, self.history[0][1] if self.history else 0)
 
 
 class Ticket:
@@ -137,13 +143,14 @@ class FairDispatcher:
         if queue is None:
             queue = self._tenants[tenant_id] = _TenantQueue(weight=weight)
         queue.weight = weight
-        if not self._may_start_now(tenant_id, queue):
+        caps = self._caps()
+        if not self._may_start_now(tenant_id, queue, caps):
             if self._queued >= self.max_queued:
                 raise QueueFull(
                     f"The server is overloaded: {self._queued} requests are queued "
                     f"(tenancy.max_queued is {self.max_queued})."
                 )
-            if len(queue.waiting) >= self._queue_share(tenant_id):
+            if len(queue.waiting) >= self._queue_share(tenant_id, caps):
                 raise QueueFull(
                     f"The server is overloaded: {len(queue.waiting)} of your requests are "
                     "queued, your share of the queue (tenancy.max_queued) while other tenants "
@@ -166,16 +173,16 @@ class FairDispatcher:
         self._touch(queue)
         self._dispatch()
 
-    def _may_start_now(self, tenant_id: str, queue: _TenantQueue) -> bool:
+    def _may_start_now(self, tenant_id: str, queue: _TenantQueue, caps: dict[str, float]) -> bool:
         return (
             not queue.waiting
             and self._running < self.max_running
-            and queue.running < self._caps().get(tenant_id, self.max_running)
+            and queue.running < caps.get(tenant_id, self.max_running)
         )
 
-    def _queue_share(self, tenant_id: str) -> int:
+    def _queue_share(self, tenant_id: str, caps: dict[str, float]) -> int:
         """The tenant's weighted share of `max_queued` among the active tenants (and itself)."""
-        active = {*self._caps(), tenant_id}
+        active = {*caps, tenant_id}
         weights = sum(self._tenants[tid].weight for tid in active)
         return max(1, int(self.max_queued * self._tenants[tenant_id].weight / weights))
 
@@ -189,6 +196,8 @@ class FairDispatcher:
     def _touch(self, queue: _TenantQueue) -> None:
         now = self._clock()
         queue.seen_at = now
+        while queue.history and queue.history[-1][1] <= queue.load:
+            queue.history.pop()  # older and no higher: never the peak again
         queue.history.append((now, queue.load))
         while queue.history and now - queue.history[0][0] > self.active_window_s:
             queue.history.popleft()
@@ -197,7 +206,7 @@ class FairDispatcher:
         """Weighted max-min division of the slots over active tenants' demands (water-filling)."""
         now = self._clock()
         demands = {
-            tid: (q.weight, max([q.load, *(load for _, load in q.history)]) + 1)
+            tid: (q.weight, q.peak + 1)
             for tid, q in self._tenants.items()
             if q.load or now - q.seen_at <= self.active_window_s
         }
