@@ -34,7 +34,10 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+def check_layout(
+    y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor]
+) -> None:
+    """Raise UnsupportedDenseCall for weights or activations in a layout the kernels do not take."""
     if not 1 <= len(a) <= MAX_SLICES or len(b) != len(a):
         raise UnsupportedDenseCall(
             f"1 to {MAX_SLICES} slices with as many B as A, got {len(a)}/{len(b)}"
@@ -75,7 +78,7 @@ def lora_dense(
     """y (+)= LoRA delta per the module docstring. split_k None: enough K ranges to give the
     shrink about four programs per SM (decode batches are too small to fill the GPU otherwise).
     """
-    _check(y, x, lora_a, lora_b)
+    check_layout(y, x, lora_a, lora_b)
     num_tokens, k = x.shape
     if num_tokens == 0:
         return

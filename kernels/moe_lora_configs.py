@@ -36,7 +36,7 @@ class MoeLoraConfig:
     npid: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    fuse_slices: bool = False  # fused, 2 slices: one program does gate and up, gathering x once
+    fuse_slices: bool = False  # 2 slices: one (shrink) program does gate and up, gathering x once
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

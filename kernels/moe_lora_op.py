@@ -197,13 +197,14 @@ def fused_moe_lora(
         (len(lora_a), num_units, split, ws_rows, block_r), dtype=torch.float32, device=x.device
     )
     use_pdl = pdl_ok
-    kt.moe_lora_shrink_kernel[(num_units, len(lora_a), split)](
+    fuse_slices = config.fuse_slices and len(lora_a) == 2
+    kt.moe_lora_shrink_kernel[(num_units, 1 if fuse_slices else len(lora_a), split)](
         x, a0, a1, ws, *routing, k, *lengths,
         x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
         TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
         BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
         EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FUSE_SLICES=fuse_slices, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
     kt.moe_lora_expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](

@@ -9,8 +9,9 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
 
 - split: `moe_lora_shrink_kernel` (grid units x slices x SPLIT_K) writes fp32 partial products
   x @ A.T of one K range each to a workspace (no atomics, no zeroing: every cell read was
-  written), then `moe_lora_expand_kernel` (grid units x N tiles x slices) sums the partials,
-  multiplies by B and adds into the output. Many small programs keep enough loads in flight at
+  written; with FUSE_SLICES one program per unit does gate and up from one gather of x), then
+  `moe_lora_expand_kernel` (grid units x N tiles x slices) sums the partials, multiplies by B
+  and adds into the output. Many small programs keep enough loads in flight at
   decode sizes, where one program per pair would stream all of A alone. With Programmatic
   Dependent Launch the expand grid starts early, loads its B tile, and waits for the shrink only
   before it reads the partials.
@@ -226,8 +227,10 @@ def moe_lora_shrink_kernel(
     EVEN_K: tl.constexpr,
     WS_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FUSE_SLICES: tl.constexpr,
 ):
-    """ws[s, unit, ks, :WS_ROWS, :] = x[rows, K range ks] @ A[s][slot, expert][:, K range ks].T."""
+    """ws[s, unit, ks, :WS_ROWS, :] = x[rows, K range ks] @ A[s][slot, expert][:, K range ks].T;
+    with FUSE_SLICES one program does both slices (grid axis 1 is 1) from one gather of x."""
     unit = tl.program_id(0)
     s = tl.program_id(1)
     ks = tl.program_id(2)
@@ -241,19 +244,24 @@ def moe_lora_shrink_kernel(
     if valid == 0:
         return
     a_base = _slice_base(a0_ptr, a1_ptr, s, slot, expert, stride_al, stride_ae)
+    a2_base = _slice_base(a0_ptr, a1_ptr, 1, slot, expert, stride_al, stride_ae)
     k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = ks * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
     tmask = tokens < num_pairs
-    acc, _ = _shrink(
-        x_ptr, a_base, a_base, tokens // TOKEN_FACTOR, tmask, k_lo, k_hi, K,
-        stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K, False,
+    acc, acc2 = _shrink(
+        x_ptr, a_base, a2_base, tokens // TOKEN_FACTOR, tmask, k_lo, k_hi, K,
+        stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K,
+        FUSE_SLICES,
     )  # fmt: skip
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
+    row_mask = ((offs_m < WS_ROWS) & tmask)[:, None]
     cell = ((s * num_units + unit).to(tl.int64) * SPLIT_K + ks) * (WS_ROWS * BLOCK_R)
     ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
-    tl.store(ptrs, acc, mask=((offs_m < WS_ROWS) & tmask)[:, None])
+    tl.store(ptrs, acc, mask=row_mask)
+    if FUSE_SLICES:
+        tl.store(ptrs + num_units.to(tl.int64) * SPLIT_K * WS_ROWS * BLOCK_R, acc2, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)

@@ -9,7 +9,9 @@ and logs one line saying what it did:
   calls our kernels do not cover (fully_sharded, more than two slices, rank > 128) go to vLLM's
   own implementation. It also routes `PunicaWrapperGPU.add_lora_linear` (attention and other
   dense layers) through `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode
-  batches of up to DENSE_MAX_TOKENS tokens, vLLM's shrink and expand for larger ones;
+  batches of up to DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the
+  MoE-LoRA routing (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS
+  (token, expert) pairs on;
 - it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
   `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
@@ -38,9 +40,13 @@ ENV_SWITCH = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
 SUPPORTED_VLLM = ("0.26.",)
 OP_NAME = "loraplex::fused_moe_lora"
 DENSE_OP_NAME = "loraplex::lora_linear"
-# Our dense kernels are per-token GEMVs: decode batches only (vLLM captures decode CUDA graphs
-# up to max_num_seqs); prefill chunks keep vLLM's tiled kernels.
+ALIGN_OP_NAME = "loraplex::moe_lora_align_block_size"
+# Our per-token dense kernels (GEMVs) serve batches up to this size (vLLM captures decode CUDA
+# graphs up to max_num_seqs); larger ones go to our tiled kernels.
 DENSE_MAX_TOKENS = 64
+# vLLM's align op serves batches below this many (token, expert) pairs, ours the larger ones:
+# vLLM's sorts each slot's pairs in one thread block, 1 ms per layer at 16 x 1600 tokens.
+ALIGN_MIN_PAIRS = 4096
 _OFF = {"0", "false", "no", "off"}
 # Prefill-sized batches start here; smaller ones are vLLM's CUDA-graph sizes, which it captures
 # with LoRA active and so compiles for already.
@@ -129,11 +135,13 @@ def _define_op(original: Callable[..., None]) -> Any:
 
 
 def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -> Any:
-    """torch.ops.loraplex.lora_linear: `PunicaWrapperGPU.add_lora_linear`'s work as one op, ours
-    for decode batches, vLLM's `shrink` and `expand` (its eager implementations) otherwise."""
+    """torch.ops.loraplex.lora_linear: `PunicaWrapperGPU.add_lora_linear`'s work as one op: our
+    per-token kernels for decode batches, our tiled ones for prefill batches, vLLM's `shrink` and
+    `expand` (its eager implementations) for layouts ours do not take."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
     from .lora_dense_op import UnsupportedDenseCall, lora_dense
+    from .lora_dense_tiled import lora_dense_tiled
 
     @torch.library.custom_op(DENSE_OP_NAME, mutates_args=("y",))
     def op(
@@ -153,12 +161,17 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
     ) -> None:
         if bool(no_lora_flag_cpu.item()):  # a CPU tensor by vLLM's contract: no device sync
             return
-        if x.shape[0] <= DENSE_MAX_TOKENS:
-            try:
+        try:
+            if x.shape[0] <= DENSE_MAX_TOKENS:
                 lora_dense(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
-                return
-            except UnsupportedDenseCall:
-                pass
+            else:
+                lora_dense_tiled(
+                    y, x, lora_a, lora_b, scale, token_indices_sorted_by_lora_ids,
+                    num_tokens_per_lora, lora_token_start_loc, lora_ids, add_inputs,
+                )  # fmt: skip
+            return
+        except UnsupportedDenseCall:
+            pass
         meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
                 lora_token_start_loc, lora_ids, no_lora_flag_cpu, num_active_loras)  # fmt: skip
         rank = lora_b[0].shape[-1]
@@ -171,6 +184,52 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
         return None
 
     return torch.ops.loraplex.lora_linear
+
+
+def _define_align_op(original: Callable[..., None]) -> Any:
+    """torch.ops.loraplex.moe_lora_align_block_size with the schema of vLLM 0.26's
+    `_custom_ops.moe_lora_align_block_size`: ours from ALIGN_MIN_PAIRS pairs on, `original`
+    (vLLM's) for smaller batches and under expert parallelism (an expert map)."""
+    if hasattr(torch.ops.loraplex, "moe_lora_align_block_size"):
+        return torch.ops.loraplex.moe_lora_align_block_size
+    from .moe_lora_align import BLOCK_SIZES, moe_lora_align_block_size
+
+    @torch.library.custom_op(
+        ALIGN_OP_NAME, mutates_args=("sorted_token_ids", "experts_ids", "num_tokens_post_pad")
+    )
+    def op(
+        topk_ids: torch.Tensor,
+        token_lora_mapping: torch.Tensor,
+        num_experts: int,
+        block_size: int,
+        max_loras: int,
+        max_num_tokens_padded: int,
+        max_num_m_blocks: int,
+        sorted_token_ids: torch.Tensor,
+        experts_ids: torch.Tensor,
+        num_tokens_post_pad: torch.Tensor,
+        adapter_enabled: torch.Tensor,
+        lora_ids: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+    ) -> None:
+        ours = (expert_map is None and block_size in BLOCK_SIZES
+                and topk_ids.numel() >= ALIGN_MIN_PAIRS)  # fmt: skip
+        if ours:
+            moe_lora_align_block_size(
+                topk_ids, token_lora_mapping, num_experts, block_size, max_loras,
+                max_num_tokens_padded, max_num_m_blocks, sorted_token_ids, experts_ids,
+                num_tokens_post_pad, adapter_enabled,
+            )  # fmt: skip
+            return
+        original(topk_ids, token_lora_mapping, num_experts, block_size, max_loras,
+                 max_num_tokens_padded, max_num_m_blocks, sorted_token_ids, experts_ids,
+                 num_tokens_post_pad, adapter_enabled, lora_ids, expert_map)  # fmt: skip
+
+    @op.register_fake
+    def _fake(*args: object, **kwargs: object) -> None:
+        return None
+
+    return torch.ops.loraplex.moe_lora_align_block_size
 
 
 def _add_lora_linear(
@@ -307,11 +366,14 @@ def _patch() -> PluginState:
 
     ours = _define_op(original)
     _define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
+    align = _define_align_op(punica_gpu.ops.moe_lora_align_block_size)
     punica_gpu.fused_moe_lora = ours
     triton_ops.fused_moe_lora = ours
+    # punica_gpu calls it as `ops.moe_lora_align_block_size`, looked up on each call.
+    punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     _patch_warm_up()
-    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora and decode-sized "
+    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora and "
              "add_lora_linear (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 

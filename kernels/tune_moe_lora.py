@@ -37,7 +37,8 @@ WORKSPACE_MAX_BYTES = 512 * 2**20
 def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     """A short list (each candidate costs a compile per shape). Fused: narrow and wide N tiles,
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
-    K tiles and fewer stages (less shared memory, more programs per SM). Split: 1 to 16 K ranges.
+    K tiles and fewer stages (less shared memory, more programs per SM). Split: 1 to 16 K ranges,
+    and for gate/up a shrink that does both slices, at the two smallest splits.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -63,6 +64,9 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
         ]
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
+    if slices == 2:  # gate and up from one gather of x: at prefill x is a third of the bytes
+        out += [MoeLoraConfig("split", bk, bn, split_k=split, fuse_slices=True)
+                for split in splits[:2] for bn in (64, 128)]  # fmt: skip
     return list(dict.fromkeys(out))
 
 

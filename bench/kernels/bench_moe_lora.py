@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from vllm import _custom_ops as vllm_ops
+import vllm._custom_ops  # noqa: F401  (loads torch.ops._moe_C)
 from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
 from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
 from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
@@ -77,9 +77,10 @@ def vllm_align(
     lora_ids = torch.full((max_loras + 1,), -1, dtype=torch.int32, device=dev)
     active = torch.unique(tlm).to(torch.int32)
     lora_ids[: active.numel()] = active
-    vllm_ops.moe_lora_align_block_size(topk_ids, tlm, num_experts, block, max_loras, padded,
-                                       blocks, sorted_ids, expert_ids, ntpp, enabled, lora_ids,
-                                       None)  # fmt: skip
+    # The CUDA op itself: its Python name is the plugin's op wherever the plugin registered.
+    torch.ops._moe_C.moe_lora_align_block_size(topk_ids, tlm, num_experts, block, max_loras,
+                                               padded, blocks, sorted_ids, expert_ids, ntpp,
+                                               enabled, lora_ids, None)  # fmt: skip
     return sorted_ids.view(max_loras, -1), expert_ids.view(max_loras, -1), ntpp
 
 

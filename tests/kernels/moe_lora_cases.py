@@ -168,3 +168,22 @@ def check_against_reference(
     if not work:
         return 0.0
     return float((out - ref).norm() / delta.clamp_min(1e-12))
+
+
+def assert_same_groups(
+    ours: torch.Tensor, ref: torch.Tensor, ref_experts: torch.Tensor, block: int
+) -> None:
+    """Sorted forms (slots x EM) agree group by group: the same pair ids and padding in each
+    (slot, expert) group, in any order within the group (the order atomics land)."""
+    for slot in range(ref.shape[0]):
+        row = ref_experts[slot].tolist()
+        start = 0
+        while start < len(row) and row[start] >= 0:
+            end = start
+            while end < len(row) and row[end] == row[start]:
+                end += 1
+            lo, hi = start * block, end * block
+            got = torch.sort(ours[slot, lo:hi]).values
+            want = torch.sort(ref[slot, lo:hi]).values
+            assert torch.equal(got, want), f"slot {slot}, expert {row[start]}"
+            start = end

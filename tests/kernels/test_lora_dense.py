@@ -1,5 +1,6 @@
-"""The dense (attention) LoRA decode op against its plain-torch spec, on the CPU interpreter in
-fp32 and fp16: q/k/v-like slices of different widths, odd sizes, tokens without adapter."""
+"""The dense (attention) LoRA ops, decode (per-token) and prefill (tiled by adapter), against
+their plain-torch spec, on the CPU interpreter in fp32 and fp16: q/k/v-like slices of different
+widths, odd sizes, tokens without adapter."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from loraplex.kernels.lora_dense_op import (
     lora_dense,
     lora_dense_reference,
 )
+from loraplex.kernels.lora_dense_tiled import lora_dense_tiled, lora_sort_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,6 +59,56 @@ def test_matches_reference(
     assert torch.equal(out[~touched], ref[~touched])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert float((out - ref)[touched].norm() / ref[touched].norm()) < tol
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "rank", "widths", "slots", "lora_pattern"),
+    [
+        (200, 256, 16, [80, 16, 16], 8, "random"),  # q, k, v widths; groups of odd sizes
+        (129, 100, 8, [63], 1, "random"),  # odd K (masked tail) and N, one adapter
+        (97, 192, 32, [48, 48], 4, "runs"),  # each request's tokens in one run, as in prefill
+        (65, 64, 64, [40, 8, 8], 16, "one"),  # a single adapter, slots beyond it idle
+        (80, 64, 16, [32], 4, "none"),  # no token has an adapter: y untouched
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "overwrite"])
+def test_tiled_matches_reference(
+    tokens: int, k: int, rank: int, widths: list[int], slots: int, lora_pattern: str,
+    dtype: torch.dtype, add_inputs: bool,
+) -> None:  # fmt: skip
+    y, x, a, b, tlm = make(tokens, k, rank, widths, slots, dtype, seed=tokens)
+    if lora_pattern == "runs":  # runs of 1 to 40 tokens, each of one slot or none
+        gen = torch.Generator().manual_seed(7)
+        lens = torch.randint(1, 41, (tokens,), generator=gen).cumsum(0)
+        run = torch.searchsorted(lens, torch.arange(tokens), right=True)
+        tlm = ((run * 5) % (slots + 1) - 1).to(torch.int32).to(tlm.device)
+    elif lora_pattern == "one":
+        tlm.fill_(slots // 2)
+    elif lora_pattern == "none":
+        tlm.fill_(-1)
+    if not add_inputs:
+        y.fill_(777.0)
+    ref = y.double().cpu()
+    cpu = ([t.cpu() for t in a], [t.cpu() for t in b])
+    lora_dense_reference(ref, x.cpu(), *cpu, tlm.cpu(), 0.5, add_inputs)
+    lora_dense_tiled(y, x, a, b, 0.5, *lora_sort_meta(tlm, slots), add_inputs, block_n=32)
+    out = y.double().cpu()
+    touched = tlm.cpu() >= 0
+    assert torch.equal(out[~touched], ref[~touched])
+    if touched.any():
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert float((out - ref)[touched].norm() / ref[touched].norm()) < tol
+
+
+def test_sort_meta_groups_tokens_as_vllm_does() -> None:
+    """LoRAKernelMeta's layout: stable sort by slot, -1 first, per-group counts and starts."""
+    tlm = torch.tensor([2, -1, 0, 2, 0, -1, 2], dtype=torch.int32)
+    order, counts, starts, ids = lora_sort_meta(tlm, max_loras=4)
+    assert order.tolist() == [1, 5, 2, 4, 0, 3, 6]
+    assert ids.tolist() == [-1, 0, 2, -1, -1]
+    assert counts.tolist() == [2, 2, 3, 0, 0]
+    assert starts.tolist() == [0, 2, 4, 7, 0, 0]  # zeros past the last group, as in vLLM
 
 
 def test_layouts_it_does_not_take_are_refused() -> None:

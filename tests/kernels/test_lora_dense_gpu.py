@@ -1,5 +1,6 @@
-"""The dense LoRA decode op on the GPU: bf16/fp16 against vLLM 0.26's own lora_shrink +
-lora_expand (its kernels, its metadata), through the plugin's torch.ops.loraplex.lora_linear.
+"""The dense LoRA op (decode and prefill kernels) on the GPU: bf16/fp16 against vLLM 0.26's own
+lora_shrink + lora_expand (its kernels, its metadata), through the plugin's
+torch.ops.loraplex.lora_linear.
 
     PYTHONPATH=/tmp/site:. python3 -m pytest -m gpu tests/kernels/test_lora_dense_gpu.py
 """
@@ -12,11 +13,11 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 16, 64, 65])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 64, 65, 1000, 25600])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_lora_linear_op_matches_vllm(tokens: int, dtype: torch.dtype) -> None:
     """Qwen3-30B-A3B qkv shapes (2048 -> 4096 + 512 + 512), rank 32, 8 slots, some tokens
-    without adapter; 65 tokens exercises the hand-over to vLLM's kernels."""
+    without adapter; from 65 tokens on the op runs our tiled (prefill) kernels."""
     from vllm.lora.ops.triton_ops import LoRAKernelMeta
     from vllm.lora.ops.triton_ops.lora_expand_op import _lora_expand
     from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
@@ -33,7 +34,7 @@ def test_lora_linear_op_matches_vllm(tokens: int, dtype: torch.dtype) -> None:
          for n in widths]  # fmt: skip
     tlm = torch.randint(-1, slots, (tokens,), device="cuda", generator=gen, dtype=torch.int32)
     tlm[0] = 3  # at least one token with an adapter
-    meta = LoRAKernelMeta.make(slots, 256, device="cuda")
+    meta = LoRAKernelMeta.make(slots, max(256, tokens), device="cuda")
     meta.prepare_tensors(tlm)
     args = meta.meta_args(tokens, False)
     # A zero base, so that the comparison is of the deltas, not of the base's rounding.

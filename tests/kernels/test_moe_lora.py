@@ -20,8 +20,9 @@ from loraplex.kernels.moe_lora_op import UnsupportedMoeLoraCall
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32, npid=2)
 FUSED_SLICES = MoeLoraConfig("fused", block_k=32, block_n=32, fuse_slices=True)
-CONFIGS = [SPLIT, FUSED, FUSED_SLICES]
-CONFIG_IDS = ["split", "fused", "fused_slices"]
+SPLIT_SLICES = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, fuse_slices=True)
+CONFIGS = [SPLIT, FUSED, FUSED_SLICES, SPLIT_SLICES]
+CONFIG_IDS = ["split", "fused", "fused_slices", "split_slices"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Each line covers one hard corner; together: tokens 1..2048 (odd too), top-k 1/2/4/8, experts

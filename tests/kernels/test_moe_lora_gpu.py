@@ -23,6 +23,7 @@ pytestmark = pytest.mark.gpu
 SPLIT = MoeLoraConfig("split", block_k=128, block_n=64, split_k=4)
 FUSED = MoeLoraConfig("fused", block_k=128, block_n=128, npid=2)
 FUSED_SLICES = MoeLoraConfig("fused", block_k=64, block_n=128, fuse_slices=True, num_warps=8)
+SPLIT_SLICES = MoeLoraConfig("split", block_k=128, block_n=128, split_k=2, fuse_slices=True)
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = 2e-2  # bf16 operands: 1e-3 to 1e-2 relative (METHOD.md)
 
@@ -59,7 +60,9 @@ SORTED = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "config", [SPLIT, FUSED, FUSED_SLICES, None], ids=["split", "fused", "fused_slices", "lookup"]
+    "config",
+    [SPLIT, FUSED, FUSED_SLICES, SPLIT_SLICES, None],
+    ids=["split", "fused", "fused_slices", "split_slices", "lookup"],
 )
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(SORTED))
 def test_matches_reference(name: str, config: MoeLoraConfig | None, dtype: torch.dtype) -> None:
@@ -72,7 +75,7 @@ def test_matches_reference(name: str, config: MoeLoraConfig | None, dtype: torch
 def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     """Sorted form as vLLM's own CUDA align op writes it (not our torch rendering of it), held
     to the spec evaluated on the naive form of the same routing."""
-    from vllm import _custom_ops as vllm_ops
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._moe_C)
 
     case = Case(96, 8, 128, 32, 8, "uniform", k=2048, n=768)
     args = make_inputs(case, torch.bfloat16, "cuda", seed=5)
@@ -83,9 +86,11 @@ def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     st = torch.empty(slots * padded, dtype=torch.int32, device="cuda")
     eids = torch.full((slots * blocks,), -1, dtype=torch.int32, device="cuda")
     ntpp = torch.empty(slots, dtype=torch.int32, device="cuda")
-    vllm_ops.moe_lora_align_block_size(topk, args["token_lora_mapping"], 128, block, slots,
-                                       padded, blocks, st, eids, ntpp, args["adapter_enabled"],
-                                       args["lora_ids"], None)  # fmt: skip
+    # vLLM's CUDA op itself (its Python name is the plugin's op once the plugin registers).
+    torch.ops._moe_C.moe_lora_align_block_size(
+        topk, args["token_lora_mapping"], 128, block, slots, padded, blocks, st, eids, ntpp,
+        args["adapter_enabled"], args["lora_ids"], None,
+    )  # fmt: skip
     args.update(sorted_token_ids=st.view(slots, -1), expert_ids=eids.view(slots, -1),
                 num_tokens_post_padded=ntpp)  # fmt: skip
     before = args["output"].double().cpu()

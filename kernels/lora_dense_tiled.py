@@ -1,0 +1,80 @@
+"""Dense LoRA for prefill batches: `lora_dense_op`'s spec, tokens tiled by adapter.
+
+Takes vLLM 0.26's `LoRAKernelMeta` view of the batch (tokens sorted by adapter slot, group
+sizes and starts, the slot of each group), which vLLM prepares once per step for every layer;
+`lora_sort_meta` builds the same tensors in plain torch (tests, benchmarks). Two launches per
+call: a tiled shrink into a workspace of rank-sized rows, then a tiled expand that adds into y
+(see `lora_dense_tiled_triton`). No host syncs and a grid from shapes alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import lora_dense_tiled_triton as kt
+from .lora_dense_op import MAX_SLICES, check_layout
+
+BLOCK_M = 64  # tokens per tile: a prefill group has hundreds; 64 keeps the x tile in registers
+
+
+def lora_sort_meta(
+    token_lora_mapping: torch.Tensor, max_loras: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids)
+    as `LoRAKernelMeta.prepare_tensors` writes them: a stable sort by slot, then per distinct
+    slot (ascending, -1 first if present) its count and start; unused entries -1 / 0."""
+    dev = token_lora_mapping.device
+    order = torch.sort(token_lora_mapping, stable=True).indices.to(torch.int32)
+    ids, counts = torch.unique(token_lora_mapping, sorted=True, return_counts=True)
+    lora_ids = torch.full((max_loras + 1,), -1, dtype=torch.int32, device=dev)
+    num_per_lora = torch.zeros(max_loras + 1, dtype=torch.int32, device=dev)
+    start_loc = torch.zeros(max_loras + 2, dtype=torch.int32, device=dev)
+    lora_ids[: ids.numel()] = ids.to(torch.int32)
+    num_per_lora[: counts.numel()] = counts.to(torch.int32)
+    start_loc[1 : counts.numel() + 1] = torch.cumsum(counts, 0).to(torch.int32)
+    return order, num_per_lora, start_loc, lora_ids
+
+
+def lora_dense_tiled(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    scale: float,
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,
+    add_inputs: bool = True,
+    block_n: int = 128,
+) -> None:
+    """y (+)= LoRA delta per `lora_dense_op`'s spec, for a batch sorted by adapter as above."""
+    check_layout(y, x, lora_a, lora_b)
+    num_tokens, k = x.shape
+    if num_tokens == 0:
+        return
+    slices = len(lora_a)
+    rank = lora_a[0].shape[2]
+    num_groups = lora_ids.numel()
+    num_units = triton.cdiv(num_tokens, BLOCK_M) + num_groups
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_k = 64 if k >= 64 else 16
+    mid = torch.empty((slices, num_tokens, block_r), dtype=lora_b[0].dtype, device=x.device)
+    a = [*lora_a, *lora_a[-1:] * (MAX_SLICES - slices)]
+    b = [*lora_b, *lora_b[-1:] * (MAX_SLICES - slices)]
+    widths = [t.shape[2] for t in b[:slices]] + [0] * (MAX_SLICES - slices)
+    meta = (token_indices_sorted_by_lora_ids, lora_ids, num_tokens_per_lora, lora_token_start_loc)
+    groups = {"GROUP_PAD": max(2, triton.next_power_of_2(num_groups)), "NUM_GROUPS": num_groups}
+    kt.lora_dense_tiled_shrink_kernel[(num_units, slices)](
+        x, *a, mid, *meta, scale, k, num_tokens, num_units, lora_a[0].shape[0],
+        x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        **groups,
+    )  # fmt: skip
+    kt.lora_dense_tiled_expand_kernel[(num_units, triton.cdiv(max(widths), block_n), slices)](
+        mid, *b, y, *meta, *widths, num_tokens, num_units, lora_b[0].shape[0],
+        y.stride(0), *(t.stride(0) for t in b), lora_b[0].stride(2),
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, RANK=rank, BLOCK_N=block_n, ADD_INPUTS=add_inputs,
+        **groups,
+    )  # fmt: skip
