@@ -76,14 +76,16 @@ def bench_align(name: str, tokens: int) -> dict:
     theirs()
     ours()
     agrees = torch.equal(theirs_out[2], ours_out[2]) and torch.equal(theirs_out[1], ours_out[1])
-    if agrees:  # the same pairs in each block (the order within a group is free in both)
+    if agrees:  # the same pairs in each (slot, expert) group, in any order within it
+        pos = torch.arange(SLOTS * padded, device="cuda")
+        slot, block_of = pos // padded, (pos % padded) // block
+        inside = (pos % padded) < theirs_out[2][slot]
+        group = theirs_out[1].view(SLOTS, blocks)[slot, block_of] + slot * experts
 
-        def blocks_sorted(ids: torch.Tensor) -> torch.Tensor:
-            rows = torch.nn.functional.pad(ids.view(SLOTS, padded), (0, blocks * block - padded))
-            return torch.sort(rows.view(-1, block), dim=1).values
+        def grouped(ids: torch.Tensor) -> torch.Tensor:
+            return torch.sort((group * (pairs + 1) + ids)[inside]).values
 
-        used = (theirs_out[1] >= 0).view(-1)
-        agrees = torch.equal(blocks_sorted(theirs_out[0])[used], blocks_sorted(ours_out[0])[used])
+        agrees = torch.equal(grouped(theirs_out[0]), grouped(ours_out[0]))
     vllm_us, ours_us = time_per_call([theirs]), time_per_call([ours])
     return {"part": "align", "shape": name, "tokens": tokens, "block_m": block,
             "vllm_us": vllm_us, "ours_us": ours_us, "speedup": vllm_us / ours_us,
