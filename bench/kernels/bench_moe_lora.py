@@ -26,6 +26,7 @@ from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
 from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
 from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
+from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, lookup, write_configs
 from loraplex.kernels.moe_lora_op import fused_moe_lora
 from loraplex.kernels.moe_lora_workload import (
@@ -64,8 +65,10 @@ def vllm_align(
     block: int,
     max_loras: int,
     enabled: torch.Tensor,
+    ours: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`PunicaWrapperGPU.moe_lora_align_block_size` (no expert map), through vLLM's CUDA op."""
+    """`PunicaWrapperGPU.moe_lora_align_block_size` (no expert map), through vLLM's CUDA op, or
+    with `ours` through our align kernels (which the plugin serves from ALIGN_MIN_PAIRS on)."""
     padded = topk_ids.numel() + num_experts * (block - 1)
     if topk_ids.numel() < num_experts:
         padded = topk_ids.numel() * block
@@ -77,10 +80,13 @@ def vllm_align(
     lora_ids = torch.full((max_loras + 1,), -1, dtype=torch.int32, device=dev)
     active = torch.unique(tlm).to(torch.int32)
     lora_ids[: active.numel()] = active
-    # The CUDA op itself: its Python name is the plugin's op wherever the plugin registered.
-    torch.ops._moe_C.moe_lora_align_block_size(topk_ids, tlm, num_experts, block, max_loras,
-                                               padded, blocks, sorted_ids, expert_ids, ntpp,
-                                               enabled, lora_ids, None)  # fmt: skip
+    if ours:
+        moe_lora_align_block_size(topk_ids, tlm, num_experts, block, max_loras, padded, blocks,
+                                  sorted_ids, expert_ids, ntpp, enabled)  # fmt: skip
+    else:  # the CUDA op itself: its Python name is the plugin's op where the plugin registered
+        torch.ops._moe_C.moe_lora_align_block_size(topk_ids, tlm, num_experts, block, max_loras,
+                                                   padded, blocks, sorted_ids, expert_ids, ntpp,
+                                                   enabled, lora_ids, None)  # fmt: skip
     return sorted_ids.view(max_loras, -1), expert_ids.view(max_loras, -1), ntpp
 
 
@@ -114,11 +120,11 @@ def bench_point(
     spec = CallSpec.of(shape, op)
     shrink, expand = vllm_configs(shape, op, tokens, ns.rank)
     block_m = int(shrink.get("BLOCK_SIZE_M") or 64)
+    align = functools.partial(vllm_align, ours=ns.align == "ours")
     first, nbytes = make_set(shape, spec, tokens, ns.adapters, 0, weights, block_m, ns.dtype,
-                             "cuda", vllm_align)  # fmt: skip
+                             "cuda", align)  # fmt: skip
     sets = [(first, nbytes)] + [
-        make_set(shape, spec, tokens, ns.adapters, i, weights, block_m, ns.dtype, "cuda",
-                 vllm_align)
+        make_set(shape, spec, tokens, ns.adapters, i, weights, block_m, ns.dtype, "cuda", align)
         for i in range(1, sets_needed(nbytes))
     ]  # fmt: skip
     args = [s for s, _ in sets]
@@ -176,6 +182,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--tune", action="store_true", help="tune our op on these inputs first")
+    parser.add_argument("--align", choices=["vllm", "ours"], default="vllm",
+                        help="who builds the sorted routing form both ops read")  # fmt: skip
+    parser.add_argument("--shape-ops", nargs="+", default=["w13", "w2"])
     ns = parser.parse_args()
     ns.tuned = {}  # shape key -> num pairs -> MoeLoraConfig
     ns.dtype = torch.bfloat16
@@ -185,13 +194,13 @@ def main() -> None:
     rows = []
     for name in ns.shapes:
         shape = SHAPES[name]
-        for op in ("w13", "w2"):
+        for op in ns.shape_ops:
             weights = make_weights(shape, CallSpec.of(shape, op), ns.adapters, ns.rank, ns.dtype,
                                    "cuda")  # fmt: skip
             for tokens in ns.batches:
                 row = bench_point(shape, op, tokens, weights, bw, ns)
                 row.update(machine=gpu, commit=ns.commit, copy_tb_s=bw / 1e12, rank=ns.rank,
-                           adapters=ns.adapters, dtype="bfloat16")  # fmt: skip
+                           adapters=ns.adapters, dtype="bfloat16", align=ns.align)  # fmt: skip
                 rows.append(row)
                 print(f"{name:14s} {op:3s} T={tokens:6d} {row['form']:6s} vllm "
                       f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
@@ -203,7 +212,8 @@ def main() -> None:
         print("wrote", write_configs(gpu, ns.tuned))
     ns.out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in gpu).lower()
-    (ns.out / f"moe_lora_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    name = f"moe_lora_{slug}.json" if ns.align == "vllm" else f"moe_lora_{slug}_align_ours.json"
+    (ns.out / name).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
