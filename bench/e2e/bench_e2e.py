@@ -184,7 +184,8 @@ def run_workload(ns: argparse.Namespace) -> dict:
 
 KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
     ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused)_kernel$"),
-    ("dense_lora_ours", r"^lora_dense_(shrink|expand)_kernel$"),
+    ("dense_lora_ours", r"^lora_dense_(tiled_)?(shrink|expand)_kernel$"),
+    ("moe_lora_align_ours", r"^_(count|layout|place)_kernel$"),
     ("moe_lora_vllm", r"fused_moe_lora"),
     ("moe_lora_align", r"moe_lora_align|lora_align"),
     ("dense_lora", r"lora_shrink|lora_expand|_lora_"),
@@ -194,24 +195,53 @@ KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch th
 )
 
 
-def summarize_traces(folder: Path, steps: int) -> dict[str, float]:
-    """GPU kernel time per decode step by group, summed over the worker's trace files."""
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
+    """GPU kernel time per step by group, summed over the worker's trace files; plus where the
+    GPU waited on the host: its idle time inside the kernels' span, and the host calls that
+    wait on the GPU (synchronizations, blocking copies) by the ops that made them."""
     import gzip
     import re
 
     totals: dict[str, float] = {}
+    kernels: list[tuple[float, float]] = []
+    ops: dict[Any, list[tuple[float, float, str]]] = {}
+    syncs: list[tuple[Any, float, float, str]] = []
     for path in folder.rglob("*.json*"):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
             events = json.load(f).get("traceEvents", [])
         for ev in events:
-            if ev.get("cat") != "kernel":
-                continue
-            name = ev.get("name", "")
-            group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
-            totals[group] = totals.get(group, 0.0) + float(ev.get("dur", 0.0))
-    per_step = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
+            cat, name = ev.get("cat"), ev.get("name", "")
+            ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
+            if cat == "kernel":
+                group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
+                totals[group] = totals.get(group, 0.0) + dur
+                kernels.append((ts, ts + dur))
+            elif cat == "cpu_op":
+                ops.setdefault(ev.get("tid"), []).append((ts, ts + dur, name))
+            elif cat == "cuda_runtime" and name.startswith(SYNCS):
+                syncs.append((ev.get("tid"), ts, dur, name))
+    per_step: dict[str, Any] = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
     per_step["all_kernels"] = round(sum(totals.values()) / steps, 1)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in sorted(kernels):  # the union of kernel intervals
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    span = (end - min(lo for lo, _ in kernels)) if kernels else 0.0
+    per_step["gpu_idle_in_span"] = round((span - busy) / steps, 1)
+    for thread_ops in ops.values():
+        thread_ops.sort(key=lambda op: (op[0], -op[1]))  # enclosing ops first
+    by_caller: dict[str, list[float]] = {}
+    for tid, ts, dur, name in syncs:
+        chain = [n for lo, hi, n in ops.get(tid, []) if lo <= ts <= hi][:3]
+        entry = by_caller.setdefault(" > ".join([*chain, name]), [0, 0.0])
+        entry[0] += 1
+        entry[1] += dur
+    top = sorted(by_caller.items(), key=lambda kv: -kv[1][1])[:12]
+    per_step["host_waits"] = {k: [v[0], round(v[1] / steps, 1)] for k, v in top}
     return per_step
 
 
