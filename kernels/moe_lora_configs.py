@@ -103,14 +103,17 @@ def lookup(gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLo
 
 
 def write_configs(gpu_name: str, shapes: dict[str, dict[int, MoeLoraConfig]]) -> Path:
-    """Merge tuned entries into this GPU's file (existing shapes not re-tuned are kept)."""
+    """Merge tuned entries into this GPU's file: a shape's pair counts not re-tuned (a run over
+    fewer batches) keep their entries, as do shapes not re-tuned."""
     CONFIG_DIR.mkdir(parents=True, exist_ok=True)
     path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
     merged: dict[str, dict[str, dict[str, object]]] = {}
     if path.is_file():
         merged = json.loads(path.read_text())["shapes"]
     for shape, by_pairs in shapes.items():
-        merged[shape] = {str(p): cfg.to_json() for p, cfg in sorted(by_pairs.items())}
+        entries = {int(p): cfg for p, cfg in merged.get(shape, {}).items()}
+        entries.update({p: cfg.to_json() for p, cfg in by_pairs.items()})
+        merged[shape] = {str(p): cfg for p, cfg in sorted(entries.items())}
     path.write_text(json.dumps({"gpu": gpu_name, "shapes": merged}, indent=1) + "\n")
     _load.cache_clear()
     return path
