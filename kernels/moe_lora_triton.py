@@ -161,6 +161,16 @@ def _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R: tl.constexpr, RANK
 
 
 @triton.jit
+def _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """The pairs' routing weights (fp32) where the op scales by them, else 1: loaded once per
+    program, not per N tile (a gather of BLOCK_M scattered words each time)."""
+    if MUL_ROUTED_WEIGHT:
+        return tl.load(topk_w_ptr + tokens, mask=tmask, other=0.0).to(tl.float32)
+    else:
+        return tl.full(tokens.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _add_into_output(
     acc,
     tokens,
@@ -169,7 +179,7 @@ def _add_into_output(
     n_hi,
     col0,
     out_ptr,
-    topk_w_ptr,
+    weights,
     stride_om,
     stride_on,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -177,8 +187,7 @@ def _add_into_output(
 ):
     """output[tokens, col0 + offs_n] (+)= acc (* routing weight); acc is (BLOCK_M, BLOCK_N) fp32."""
     if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_w_ptr + tokens, mask=tmask, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
+        acc = acc * weights[:, None]
     ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + (col0 + offs_n)[None, :] * stride_on
     mask = tmask[:, None] & (offs_n < n_hi)[None, :]
     # Rounded to the output dtype before the add, as vLLM's kernel does (same numbers as stock).
@@ -336,7 +345,8 @@ def moe_lora_expand_kernel(
         ptrs += WS_ROWS * BLOCK_R
     acc = tl.dot(tmp.to(b.dtype), b)
     _add_into_output(
-        acc, tokens, tmask, offs_n, N, col_offset + s * N, out_ptr, topk_w_ptr,
+        acc, tokens, tmask, offs_n, N, col_offset + s * N, out_ptr,
+        _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT),
         stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
     )  # fmt: skip
 
@@ -417,15 +427,16 @@ def moe_lora_fused_kernel(
     n_per = tl.cdiv(tl.cdiv(N, NPID), BLOCK_N) * BLOCK_N
     n_lo = n_part * n_per
     n_hi = tl.minimum(n_lo + n_per, N)
+    weights = _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT)
     _expand_range(
         acc.to(out_ptr.dtype.element_ty), _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl,
-        stride_be), tokens, tmask, n_lo, n_hi, col_offset + s * N, out_ptr, topk_w_ptr, stride_bn,
+        stride_be), tokens, tmask, n_lo, n_hi, col_offset + s * N, out_ptr, weights, stride_bn,
         stride_br, stride_om, stride_on, BLOCK_R, RANK, BLOCK_N, MUL_ROUTED_WEIGHT, ADD_INPUTS,
     )  # fmt: skip
     if FUSE_SLICES:
         _expand_range(
             acc2.to(out_ptr.dtype.element_ty), _slice_base(b0_ptr, b1_ptr, 1, slot, expert,
-            stride_bl, stride_be), tokens, tmask, n_lo, n_hi, col_offset + N, out_ptr, topk_w_ptr,
+            stride_bl, stride_be), tokens, tmask, n_lo, n_hi, col_offset + N, out_ptr, weights,
             stride_bn, stride_br, stride_om, stride_on, BLOCK_R, RANK, BLOCK_N, MUL_ROUTED_WEIGHT,
             ADD_INPUTS,
         )  # fmt: skip
@@ -441,7 +452,7 @@ def _expand_range(
     n_hi,
     col0,
     out_ptr,
-    topk_w_ptr,
+    weights,
     stride_bn,
     stride_br,
     stride_om,
@@ -458,6 +469,6 @@ def _expand_range(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         b = _load_b(b_base, offs_n, n_hi, stride_bn, stride_br, BLOCK_R, RANK)
         _add_into_output(
-            tl.dot(tmp, b), tokens, tmask, offs_n, n_hi, col0, out_ptr, topk_w_ptr,
+            tl.dot(tmp, b), tokens, tmask, offs_n, n_hi, col0, out_ptr, weights,
             stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
         )  # fmt: skip
