@@ -374,8 +374,8 @@ def _patch() -> PluginState:
     punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     _patch_warm_up()
-    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora and "
-             "add_lora_linear (pid %d)", version, os.getpid())  # fmt: skip
+    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora, add_lora_linear and "
+             "moe_lora_align_block_size (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 
