@@ -19,26 +19,18 @@ x row is read once per slice and each y cell once.
 import triton
 import triton.language as tl
 
+from .lora_dense_triton import _pick
+
 _BATCH_ARGS = ["num_tokens", "num_units"]
 
 
 @triton.jit
-def _pick(s, v0, v1, v2):
-    """Slice s's pointer (pointers are never constexpr, so both branches have one type)."""
-    v = v0
-    if s == 1:
-        v = v1
-    if s == 2:
-        v = v2
-    return v
-
-
-@triton.jit
-def _group_block(unit, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr, max_loras,
+def _unit_tokens(unit, sorted_ptr, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr, max_loras,
                  BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr,
                  NUM_GROUPS: tl.constexpr):  # fmt: skip
-    """(slot, first sorted position, tokens in the block: 0 past the last block) of a unit:
-    group g's cdiv(n_g, BLOCK_M) blocks follow group g - 1's; groups of no adapter have none."""
+    """(slot, first sorted position, rows, row mask, token ids) of a unit, 0 rows past the last
+    block: group g's cdiv(n_g, BLOCK_M) blocks follow group g - 1's; groups of no adapter have
+    none."""
     offs = tl.arange(0, GROUP_PAD)
     in_range = offs < NUM_GROUPS
     slots = tl.load(lora_ids_ptr + offs, mask=in_range, other=-1)
@@ -52,8 +44,11 @@ def _group_block(unit, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr, max_loras,
     blk = unit - tl.sum(tl.where(mine, ends - blocks, 0), 0)
     slot = tl.sum(tl.where(mine, slots, 0), 0)
     start = tl.load(start_loc_ptr + idx, mask=valid, other=0) + blk * BLOCK_M
-    rows = tl.sum(tl.where(mine, counts, 0), 0) - blk * BLOCK_M
-    return slot, start, tl.where(valid, tl.minimum(rows, BLOCK_M), 0)
+    rows = tl.where(valid, tl.sum(tl.where(mine, counts, 0), 0) - blk * BLOCK_M, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < rows
+    tokens = tl.load(sorted_ptr + start + offs_m, mask=mmask, other=0)
+    return slot, start, rows, mmask, tokens
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -86,13 +81,13 @@ def lora_dense_tiled_shrink_kernel(
     """mid[s, pos, :] = round(scale * x[token(pos)] @ A[s][slot].T) for the unit's positions."""
     unit = tl.program_id(0)
     s = tl.program_id(1)
-    slot, start, rows = _group_block(unit, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr,
-                                            max_loras, BLOCK_M, GROUP_PAD, NUM_GROUPS)  # fmt: skip
+    slot, start, rows, mmask, tokens = _unit_tokens(
+        unit, sorted_ptr, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr, max_loras, BLOCK_M,
+        GROUP_PAD, NUM_GROUPS,
+    )  # fmt: skip
     if rows <= 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    mmask = offs_m < rows
-    tokens = tl.load(sorted_ptr + start + offs_m, mask=mmask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < RANK
     a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_al
@@ -153,13 +148,13 @@ def lora_dense_tiled_expand_kernel(
     n = tl.where(s == 0, n0, tl.where(s == 1, n1, n2))
     if pid_n * BLOCK_N >= n:
         return
-    slot, start, rows = _group_block(unit, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr,
-                                            max_loras, BLOCK_M, GROUP_PAD, NUM_GROUPS)  # fmt: skip
+    slot, start, rows, mmask, tokens = _unit_tokens(
+        unit, sorted_ptr, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr, max_loras, BLOCK_M,
+        GROUP_PAD, NUM_GROUPS,
+    )  # fmt: skip
     if rows <= 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    mmask = offs_m < rows
-    tokens = tl.load(sorted_ptr + start + offs_m, mask=mmask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
     pos = (s * num_tokens + start + offs_m).to(tl.int64)
     mid = tl.load(mid_ptr + pos[:, None] * BLOCK_R + offs_r[None, :], mask=mmask[:, None],
