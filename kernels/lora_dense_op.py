@@ -64,6 +64,16 @@ def check_layout(
         raise ValueError(f"slice widths {[t.shape[2] for t in b]} exceed y width {y.shape[1]}")
 
 
+def padded_slices(
+    lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """A, B and slice widths padded to MAX_SLICES entries, as the kernels take them (a padding
+    slice repeats the last weights and has width 0, so no program works on it)."""
+    pad = MAX_SLICES - len(lora_a)
+    widths = [t.shape[2] for t in lora_b] + [0] * pad
+    return [*lora_a, *lora_a[-1:] * pad], [*lora_b, *lora_b[-1:] * pad], widths
+
+
 def lora_dense(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -93,9 +103,7 @@ def lora_dense(
         while split_k * block_k * 2 <= k and num_tokens * slices * split_k < 4 * sms:
             split_k *= 2
     ws = torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32, device=x.device)
-    a = [*lora_a, *lora_a[-1:] * (MAX_SLICES - slices)]
-    b = [*lora_b, *lora_b[-1:] * (MAX_SLICES - slices)]
-    widths = [t.shape[2] for t in b[:slices]] + [0] * (MAX_SLICES - slices)
+    a, b, widths = padded_slices(lora_a, lora_b)
     use_pdl = on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     kt.lora_dense_shrink_kernel[(num_tokens, slices, split_k)](
         x, *a, ws, token_lora_mapping, scale, k, num_tokens, lora_a[0].shape[0],

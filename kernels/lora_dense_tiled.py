@@ -13,7 +13,7 @@ import torch
 import triton
 
 from . import lora_dense_tiled_triton as kt
-from .lora_dense_op import MAX_SLICES, check_layout
+from .lora_dense_op import check_layout, padded_slices
 
 BLOCK_M = 64  # tokens per tile: a prefill group has hundreds; 64 keeps the x tile in registers
 
@@ -61,9 +61,7 @@ def lora_dense_tiled(
     block_r = max(16, triton.next_power_of_2(rank))
     block_k = 64 if k >= 64 else 16
     mid = torch.empty((slices, num_tokens, block_r), dtype=lora_b[0].dtype, device=x.device)
-    a = [*lora_a, *lora_a[-1:] * (MAX_SLICES - slices)]
-    b = [*lora_b, *lora_b[-1:] * (MAX_SLICES - slices)]
-    widths = [t.shape[2] for t in b[:slices]] + [0] * (MAX_SLICES - slices)
+    a, b, widths = padded_slices(lora_a, lora_b)
     meta = (token_indices_sorted_by_lora_ids, lora_ids, num_tokens_per_lora, lora_token_start_loc)
     groups = {"GROUP_PAD": max(2, triton.next_power_of_2(num_groups)), "NUM_GROUPS": num_groups}
     kt.lora_dense_tiled_shrink_kernel[(num_units, slices)](

@@ -19,7 +19,7 @@ x row is read once per slice and each y cell once.
 import triton
 import triton.language as tl
 
-from .lora_dense_triton import _pick
+from .lora_dense_triton import _pick, _slice_b
 
 _BATCH_ARGS = ["num_tokens", "num_units"]
 
@@ -145,28 +145,24 @@ def lora_dense_tiled_expand_kernel(
     unit = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
-    n = tl.where(s == 0, n0, tl.where(s == 1, n1, n2))
-    if pid_n * BLOCK_N >= n:
-        return
     slot, start, rows, mmask, tokens = _unit_tokens(
         unit, sorted_ptr, lora_ids_ptr, num_per_lora_ptr, start_loc_ptr, max_loras, BLOCK_M,
         GROUP_PAD, NUM_GROUPS,
     )  # fmt: skip
-    if rows <= 0:
+    n, col0, b_base = _slice_b(s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, stride_bl0, stride_bl1,
+                               stride_bl2, slot)  # fmt: skip
+    if (rows <= 0) | (pid_n * BLOCK_N >= n):
         return
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     pos = (s * num_tokens + start + offs_m).to(tl.int64)
     mid = tl.load(mid_ptr + pos[:, None] * BLOCK_R + offs_r[None, :], mask=mmask[:, None],
                   other=0.0)  # fmt: skip
-    stride_bl = tl.where(s == 0, stride_bl0, tl.where(s == 1, stride_bl1, stride_bl2))
-    b_base = _pick(s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * stride_bl
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < n
     rmask = offs_r < RANK
     b = tl.load(b_base + tl.where(rmask, offs_r, 0)[:, None] + offs_n[None, :] * stride_bn,
                 mask=rmask[:, None] & nmask[None, :], other=0.0)  # fmt: skip
-    col0 = tl.where(s >= 1, n0, 0) + tl.where(s >= 2, n1, 0)
     ptrs = y_ptr + tokens.to(tl.int64)[:, None] * stride_ym + (col0 + offs_n)[None, :]
     mask = mmask[:, None] & nmask[None, :]
     # Rounded to y's dtype before the add, as vLLM's expand does (same numbers as stock).

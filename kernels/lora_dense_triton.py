@@ -25,6 +25,15 @@ def _pick(s, v0, v1, v2):
     return v
 
 
+@triton.jit
+def _slice_b(s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, stride_bl0, stride_bl1, stride_bl2, slot):
+    """(width, first column in y, B[s][slot] base) of slice s; slices lie side by side in y."""
+    n = tl.where(s == 0, n0, tl.where(s == 1, n1, n2))
+    col0 = tl.where(s >= 1, n0, 0) + tl.where(s >= 2, n1, 0)
+    stride_bl = tl.where(s == 0, stride_bl0, tl.where(s == 1, stride_bl1, stride_bl2))
+    return n, col0, _pick(s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * stride_bl
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def lora_dense_shrink_kernel(
     x_ptr,
@@ -102,12 +111,10 @@ def lora_dense_expand_kernel(
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
     slot = tl.load(tlm_ptr + t)
-    n = tl.where(s == 0, n0, tl.where(s == 1, n1, n2))
+    n, col0, b_base = _slice_b(s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, stride_bl0, stride_bl1,
+                               stride_bl2, slot)  # fmt: skip
     if (slot < 0) | (slot >= max_loras) | (pid_n * BLOCK_N >= n):
         return
-    col0 = tl.where(s >= 1, n0, 0) + tl.where(s >= 2, n1, 0)
-    stride_bl = tl.where(s == 0, stride_bl0, tl.where(s == 1, stride_bl1, stride_bl2))
-    b_base = _pick(s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * stride_bl
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     nmask = offs_n < n

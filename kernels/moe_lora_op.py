@@ -177,9 +177,10 @@ def fused_moe_lora(
     lengths = (num_pairs, top_k_num, num_m_blocks, em, num_units, lora_dim, num_slots)
     lora_pad = max(2, triton.next_power_of_2(lora_ids.numel()))
     token_factor = 1 if mul_routed_weight else top_k_num
+    fuse_slices = config.fuse_slices and len(lora_a) == 2  # one program does gate and up
+    slice_programs = 1 if fuse_slices else len(lora_a)
     if config.variant == "fused":
-        fuse_slices = config.fuse_slices and len(lora_a) == 2
-        grid = (num_units * config.npid, 1 if fuse_slices else len(lora_a))
+        grid = (num_units * config.npid, slice_programs)
         kt.moe_lora_fused_kernel[grid](
             x, a0, a1, b0, b1, out2d, topk_weights, *routing, k, n, *lengths, offset,
             x.stride(0), x.stride(1), *a0.stride(), *b0.stride(), *out2d.stride(),
@@ -197,8 +198,7 @@ def fused_moe_lora(
         (len(lora_a), num_units, split, ws_rows, block_r), dtype=torch.float32, device=x.device
     )
     use_pdl = pdl_ok
-    fuse_slices = config.fuse_slices and len(lora_a) == 2
-    kt.moe_lora_shrink_kernel[(num_units, 1 if fuse_slices else len(lora_a), split)](
+    kt.moe_lora_shrink_kernel[(num_units, slice_programs, split)](
         x, a0, a1, ws, *routing, k, *lengths,
         x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
         TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
