@@ -145,6 +145,18 @@ def fused_moe_lora_reference(
             out[f, cols] = (base + delta).to(out.dtype)
 
 
+def sorted_form_size(num_pairs: int, num_experts: int, block_size: int) -> tuple[int, int]:
+    """(EM, blocks) of vLLM's sorted form per slot (`PunicaWrapperGPU.moe_lora_align_block_size`):
+    EM = P + E * (block_size - 1), room for every expert group's padding, or P * block_size when
+    P < E; blocks = cdiv(EM, block_size)."""
+    em = (
+        num_pairs * block_size
+        if num_pairs < num_experts
+        else num_pairs + num_experts * (block_size - 1)
+    )
+    return em, -(-em // block_size)
+
+
 def moe_lora_align_reference(
     topk_ids: torch.Tensor,
     token_lora_mapping: torch.Tensor,
@@ -157,17 +169,14 @@ def moe_lora_align_reference(
 
     topk_ids: (T, k) int32; token_lora_mapping: (T,) int32.
     Returns sorted_token_ids (L, EM) int32 (padding = P), expert_ids (L, EM // block_size) int32
-    (-1 for unused blocks) and num_tokens_post_padded (L,) int32, with
-    EM = P + E * (block_size - 1), or P * block_size when P < E (vLLM's sizing).
+    (-1 for unused blocks) and num_tokens_post_padded (L,) int32, with EM as in
+    `sorted_form_size`.
     Per slot, pairs are grouped by expert in ascending expert order, each group padded to a
     multiple of block_size; within a group pairs keep ascending flat id order.
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    em = num_pairs + num_experts * (block_size - 1)
-    if num_pairs < num_experts:
-        em = num_pairs * block_size
-    num_blocks = -(-em // block_size)
+    em, num_blocks = sorted_form_size(num_pairs, num_experts, block_size)
     sorted_ids = torch.full((max_loras, em), num_pairs, dtype=torch.int32)
     block_experts = torch.full((max_loras, num_blocks), -1, dtype=torch.int32)
     used = torch.zeros(max_loras, dtype=torch.int32)

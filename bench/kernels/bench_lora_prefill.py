@@ -29,6 +29,7 @@ from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 
 from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
+from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_per_call
 
 SLOTS, RANK, REQUESTS = 8, 32, 16
@@ -52,8 +53,7 @@ def bench_align(name: str, tokens: int) -> dict:
     experts, top_k = ROUTING[name]
     block = default_block_m(tokens)
     pairs = tokens * top_k
-    padded = pairs * block if pairs < experts else pairs + experts * (block - 1)
-    blocks = -(-padded // block)
+    padded, blocks = sorted_form_size(pairs, experts, block)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     topk = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:top_k]
                         for _ in range(tokens)]).int()  # fmt: skip

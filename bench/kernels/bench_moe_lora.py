@@ -29,6 +29,7 @@ from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, lookup, write_configs
 from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_workload import (
     BATCHES,
     SHAPES,
@@ -69,10 +70,7 @@ def vllm_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`PunicaWrapperGPU.moe_lora_align_block_size` (no expert map), through vLLM's CUDA op, or
     with `ours` through our align kernels (which the plugin serves from ALIGN_MIN_PAIRS on)."""
-    padded = topk_ids.numel() + num_experts * (block - 1)
-    if topk_ids.numel() < num_experts:
-        padded = topk_ids.numel() * block
-    blocks = -(-padded // block)
+    padded, blocks = sorted_form_size(topk_ids.numel(), num_experts, block)
     dev = topk_ids.device
     sorted_ids = torch.empty(max_loras * padded, dtype=torch.int32, device=dev)
     expert_ids = torch.full((max_loras * blocks,), -1, dtype=torch.int32, device=dev)

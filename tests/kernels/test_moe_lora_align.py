@@ -10,16 +10,9 @@ import torch
 from moe_lora_cases import assert_same_groups
 
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
-from loraplex.kernels.moe_lora_reference import moe_lora_align_reference
+from loraplex.kernels.moe_lora_reference import moe_lora_align_reference, sorted_form_size
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def padded_length(num_pairs: int, num_experts: int, block: int) -> int:
-    """vLLM's sizing of the sorted form (`PunicaWrapperGPU.moe_lora_align_block_size`)."""
-    if num_pairs < num_experts:
-        return num_pairs * block
-    return num_pairs + num_experts * (block - 1)
 
 
 @pytest.mark.parametrize(
@@ -49,8 +42,7 @@ def test_matches_reference(
     enabled = torch.ones(slots + 1, dtype=torch.int32)
     if slots > 2:
         enabled[1] = 0  # a slot whose adapter is switched off: no pairs, length 0
-    em = padded_length(tokens * top_k, experts, block)
-    blocks = -(-em // block)
+    em, blocks = sorted_form_size(tokens * top_k, experts, block)
     ref_sorted, ref_experts, ref_used = moe_lora_align_reference(
         topk, tlm, experts, block, slots, enabled
     )

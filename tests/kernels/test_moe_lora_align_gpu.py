@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _buffers(pairs: int, experts: int, block: int, slots: int) -> tuple:
-    padded = pairs * block if pairs < experts else pairs + experts * (block - 1)
-    blocks = -(-padded // block)
+    from loraplex.kernels.moe_lora_reference import sorted_form_size
+
+    padded, blocks = sorted_form_size(pairs, experts, block)
     st = torch.full((slots * padded,), -7, dtype=torch.int32, device="cuda")
     eids = torch.full((slots * blocks,), -1, dtype=torch.int32, device="cuda")
     ntpp = torch.full((slots,), -7, dtype=torch.int32, device="cuda")

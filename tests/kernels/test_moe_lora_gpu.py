@@ -16,7 +16,7 @@ from moe_lora_cases import Case, check_against_reference, make_inputs
 from loraplex.kernels import moe_lora_triton as kt
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import fused_moe_lora
-from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference
+from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference, sorted_form_size
 
 pytestmark = pytest.mark.gpu
 
@@ -81,8 +81,7 @@ def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     args = make_inputs(case, torch.bfloat16, "cuda", seed=5)
     topk = torch.stack([torch.randperm(128)[:8] for _ in range(96)]).int().cuda()
     block, slots = 32, 8
-    padded = topk.numel() + 128 * (block - 1)
-    blocks = -(-padded // block)
+    padded, blocks = sorted_form_size(topk.numel(), 128, block)
     st = torch.empty(slots * padded, dtype=torch.int32, device="cuda")
     eids = torch.full((slots * blocks,), -1, dtype=torch.int32, device="cuda")
     ntpp = torch.empty(slots, dtype=torch.int32, device="cuda")
