@@ -27,6 +27,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,10 @@ def run_workload(ns: argparse.Namespace) -> dict:
         llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
         llm.stop_profile()
         profile = summarize_traces(prof_dir, steps=1)  # µs per prefill of 16 x 1600 tokens
+    elif ns.profile == "host":
+        profile = profile_host(
+            lambda: llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
+        )
     return {
         "startup_s": startup, "reps": reps, f"{ns.profile}_profile_us": profile,
         "otps_per_req_median": statistics.median(r["otps_per_req"] for r in reps),
@@ -245,6 +250,38 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
     return per_step
 
 
+def profile_host(prefill: Callable[[], Any], runs: int = 3) -> dict[str, Any]:
+    """Where the host's time goes in a prefill of the 16 prompts: cProfile over `runs` of them,
+    the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by main), so the profile
+    sees the scheduler, the model runner and every Python call of the forward pass. Rows are
+    ms per prefill; cProfile slows Python, so compare modes with each other, not with walls."""
+    import cProfile
+    import pstats
+
+    walls = []
+    for _ in range(runs):  # unprofiled walls first: the in-process engine's own prefill time
+        t = time.time()
+        prefill()
+        walls.append(time.time() - t)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(runs):
+        prefill()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+
+    def rows(key: int, n: int) -> list[list[Any]]:
+        top = sorted(stats.items(), key=lambda kv: -kv[1][key])[:n]
+        return [
+            [f"{Path(f).name}:{line}:{fn}", calls // runs, round(1e3 * tt / runs, 2),
+             round(1e3 * ct / runs, 2)]
+            for (f, line, fn), (_, calls, tt, ct, _) in top
+        ]  # fmt: skip
+
+    return {"prefill_s_unprofiled": walls, "columns": ["function", "calls", "self_ms", "cum_ms"],
+            "by_cumulative": rows(3, 60), "by_self": rows(2, 40)}  # fmt: skip
+
+
 def make_small_model(path: Path) -> None:
     """A small Qwen3-MoE with real random weights (seeded), saved by transformers."""
     import torch
@@ -301,8 +338,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
-        "--profile", choices=["decode", "prefill"],
-        help="torch-profile 20 decode steps, or one prefill of the 16 prompts",
+        "--profile", choices=["decode", "prefill", "host"],
+        help="torch-profile 20 decode steps or one prefill of the 16 prompts; host: cProfile "
+        "prefills with the engine in this process",
     )  # fmt: skip
     parser.add_argument("--install", type=Path, help="write the plugin's dist-info here first")
     ns = parser.parse_args()
@@ -316,6 +354,8 @@ def main() -> None:
         return
     # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.plugin).
     os.environ[ENV_SWITCH] = "1" if ns.mode.endswith("plugin") else "0"
+    if ns.profile == "host":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
 
     run = run_check if ns.mode.startswith("check") else run_workload

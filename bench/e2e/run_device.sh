@@ -2,11 +2,12 @@
 # e2e device calls after the vLLM pieces are in place (../shared/gpu/README.md), from the repo root:
 #   bash bench/e2e/run_device.sh COMMIT MODE...
 #   MODE: check | base | stock | plugin | prefill-base | prefill-stock | prefill-plugin
-#         | serve-plugin | serve-stock
+#         | host-base | host-plugin | serve-plugin | serve-stock
 # check: greedy tokens with and without the plugin on a small real-weight MoE (bench_e2e.py);
 # base/stock/plugin: the 16 x 1600/600 workload offline, with a decode-step profile (prefill-*: one
 # repetition and a profile of one prefill of the 16 prompts instead), and a count of
-# the Triton compiles vLLM's jit_monitor saw while serving; serve-*: the same workload through
+# the Triton compiles vLLM's jit_monitor saw while serving; host-*: one repetition, then cProfile
+# of 3 prefills with the engine in process (where the host's time goes); serve-*: the same workload through
 # loraplex's HTTP server (serve_e2e.py; needs the server's wheels in /tmp/site).
 # JSON rows and one log per mode in $OUT.
 set -uo pipefail
@@ -25,6 +26,9 @@ for mode in "$@"; do
     serve-*)
       timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1 ;;
+    host-*)
+      timeout 560 python3 bench/e2e/bench_e2e.py "${mode#host-}" --profile host --reps 1 \
+        --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
     prefill-*)
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \
         --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
