@@ -250,19 +250,32 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
     return per_step
 
 
-def profile_host(prefill: Callable[[], Any], runs: int = 3) -> dict[str, Any]:
-    """Where the host's time goes in a prefill of the 16 prompts: cProfile over `runs` of them,
-    the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by main), so the profile
-    sees the scheduler, the model runner and every Python call of the forward pass. Rows are
-    ms per prefill; cProfile slows Python, so compare modes with each other, not with walls."""
-    import cProfile
-    import pstats
+SAMPLED_PREFILLS = 8  # prefills py-spy samples, unprofiled: ~4 s at the ~0.5 s of one
 
+
+def sampled_prefills(prefill: Callable[[], Any]) -> list[float]:
+    """Unprofiled prefills and their walls. run_device.sh's host-* modes run this process under
+    py-spy, and host_samples.py keeps the samples whose stack passes through this function."""
     walls = []
-    for _ in range(runs):  # unprofiled walls first: the in-process engine's own prefill time
+    for _ in range(SAMPLED_PREFILLS):
         t = time.time()
         prefill()
         walls.append(time.time() - t)
+    return walls
+
+
+def profile_host(prefill: Callable[[], Any], runs: int = 3) -> dict[str, Any]:
+    """Where the host's time goes in a prefill of the 16 prompts, with the engine in this
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by main) so that the scheduler, the model
+    runner and every Python call of the forward pass are on this thread: first the sampled
+    prefills (see sampled_prefills), then cProfile over `runs` more, for call counts. Rows are
+    ms per prefill. cProfile slows Python calls several times over, and its cumulative times
+    are unreliable across torch.ops (the dispatcher calls back into Python), so read its call
+    counts and self times, and py-spy's samples for where the time goes."""
+    import cProfile
+    import pstats
+
+    walls = sampled_prefills(prefill)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(runs):
@@ -278,7 +291,7 @@ def profile_host(prefill: Callable[[], Any], runs: int = 3) -> dict[str, Any]:
             for (f, line, fn), (_, calls, tt, ct, _) in top
         ]  # fmt: skip
 
-    return {"prefill_s_unprofiled": walls, "columns": ["function", "calls", "self_ms", "cum_ms"],
+    return {"prefill_s_sampled": walls, "columns": ["function", "calls", "self_ms", "cum_ms"],
             "by_cumulative": rows(3, 60), "by_self": rows(2, 40)}  # fmt: skip
 
 

@@ -6,8 +6,9 @@
 # check: greedy tokens with and without the plugin on a small real-weight MoE (bench_e2e.py);
 # base/stock/plugin: the 16 x 1600/600 workload offline, with a decode-step profile (prefill-*: one
 # repetition and a profile of one prefill of the 16 prompts instead), and a count of
-# the Triton compiles vLLM's jit_monitor saw while serving; host-*: one repetition, then cProfile
-# of 3 prefills with the engine in process (where the host's time goes); serve-*: the same workload through
+# the Triton compiles vLLM's jit_monitor saw while serving; host-*: one repetition, then py-spy's
+# samples of 8 prefills and cProfile of 3 more, engine in process (where the host's time goes,
+# host_samples.py); serve-*: the same workload through
 # loraplex's HTTP server (serve_e2e.py; needs the server's wheels in /tmp/site).
 # JSON rows and one log per mode in $OUT.
 set -uo pipefail
@@ -26,9 +27,16 @@ for mode in "$@"; do
     serve-*)
       timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1 ;;
-    host-*)
-      timeout 560 python3 bench/e2e/bench_e2e.py "${mode#host-}" --profile host --reps 1 \
-        --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
+    host-*)  # py-spy's wheel carried in .gpu/p5 (the device has no network)
+      [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps \
+        --target /tmp/pyspy .gpu/p5/py_spy-*.whl
+      mkdir -p "$OUT/$mode"
+      timeout 560 /tmp/pyspy/bin/py-spy record --format raw --nolineno --idle --rate 1000 \
+        --nonblocking -o "/tmp/$mode.samples" -- python3 bench/e2e/bench_e2e.py "${mode#host-}" \
+        --profile host --reps 1 --commit "$commit" --out "$OUT/$mode" --install /tmp/site \
+        >"$log" 2>&1
+      python3 bench/e2e/host_samples.py "/tmp/$mode.samples" --rate 1000 \
+        --out "$OUT/$mode/samples.json" 2>&1 | tee -a "$log" | head -70 ;;
     prefill-*)
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \
         --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
