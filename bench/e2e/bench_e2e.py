@@ -178,7 +178,8 @@ def run_workload(ns: argparse.Namespace) -> dict:
         profile = summarize_traces(prof_dir, steps=1)  # µs per prefill of 16 x 1600 tokens
     elif ns.profile == "host":
         profile = profile_host(
-            lambda: llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
+            lambda: llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False),
+            ns.out / "host.samples",
         )
     return {
         "startup_s": startup, "reps": reps, f"{ns.profile}_profile_us": profile,
@@ -251,11 +252,11 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
 
 
 SAMPLED_PREFILLS = 8  # prefills py-spy samples, unprofiled: ~4 s at the ~0.5 s of one
+PYSPY_RATE = 250  # samples/s: py-spy fell 40 s behind at 1,000/s on vLLM's many threads
 
 
-def sampled_prefills(prefill: Callable[[], Any]) -> list[float]:
-    """Unprofiled prefills and their walls. run_device.sh's host-* modes run this process under
-    py-spy, and host_samples.py keeps the samples whose stack passes through this function."""
+def timed_prefills(prefill: Callable[[], Any]) -> list[float]:
+    """The sampled prefills' walls; host_samples.py keeps the stacks through this function."""
     walls = []
     for _ in range(SAMPLED_PREFILLS):
         t = time.time()
@@ -264,7 +265,29 @@ def sampled_prefills(prefill: Callable[[], Any]) -> list[float]:
     return walls
 
 
-def profile_host(prefill: Callable[[], Any], runs: int = 3) -> dict[str, Any]:
+def sampled_prefills(prefill: Callable[[], Any], samples: Path | None) -> list[float]:
+    """Unprofiled prefills and their walls; with `samples`, py-spy (LORAPLEX_PYSPY, the binary)
+    attaches to this process for them and writes its raw stacks there."""
+    import ctypes
+    import signal
+    import subprocess
+
+    spy = None
+    if samples and (binary := os.environ.get("LORAPLEX_PYSPY")):
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # Yama: let it trace us
+        spy = subprocess.Popen(
+            [binary, "record", "--pid", str(os.getpid()), "--rate", str(PYSPY_RATE), "--idle",
+             "--nonblocking", "--nolineno", "--format", "raw", "-o", str(samples)]
+        )  # fmt: skip
+        time.sleep(2.0)  # attached before the first prefill
+    walls = timed_prefills(prefill)
+    if spy:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(timeout=120)
+    return walls
+
+
+def profile_host(prefill: Callable[[], Any], samples: Path, runs: int = 3) -> dict[str, Any]:
     """Where the host's time goes in a prefill of the 16 prompts, with the engine in this
     process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by main) so that the scheduler, the model
     runner and every Python call of the forward pass are on this thread: first the sampled
@@ -275,7 +298,7 @@ def profile_host(prefill: Callable[[], Any], runs: int = 3) -> dict[str, Any]:
     import cProfile
     import pstats
 
-    walls = sampled_prefills(prefill)
+    walls = sampled_prefills(prefill, samples)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(runs):

@@ -1,9 +1,9 @@
 """Where the host's time goes, from py-spy's samples of bench_e2e.py's sampled prefills.
 
-    python3 bench/e2e/host_samples.py SAMPLES.txt --rate 1000 --out ROW.json
+    python3 bench/e2e/host_samples.py SAMPLES.txt --rate 250 --out ROW.json
 
 SAMPLES.txt is `py-spy record --format raw --nolineno --idle --rate RATE` output: one line per
-distinct stack, `frame;frame;...;leaf COUNT`. Only stacks through `sampled_prefills` count; every
+distinct stack, `frame;frame;...;leaf COUNT`. Only stacks through `timed_prefills` count; every
 figure is ms per prefill (samples / rate / prefills). `self` is by leaf frame: where the thread
 was, including waits (--idle keeps the samples of a thread blocked in a synchronize or a
 launch). `inclusive` is by frame, each counted once per stack.
@@ -22,11 +22,11 @@ try:
 except ModuleNotFoundError:  # run as a script: bench_e2e.py sits beside this file
     from bench_e2e import SAMPLED_PREFILLS  # type: ignore[no-redef]
 
-UNDER = "sampled_prefills"
+UNDER = "timed_prefills"
 
 
 def read_stacks(path: Path) -> Counter[tuple[str, ...]]:
-    """Stacks from the `sampled_prefills` frame down, with their sample counts."""
+    """Stacks from the `timed_prefills` frame down, with their sample counts."""
     stacks: Counter[tuple[str, ...]] = Counter()
     for line in path.read_text().splitlines():
         frames_text, _, count = line.rpartition(" ")

@@ -30,12 +30,10 @@ for mode in "$@"; do
     host-*)  # py-spy's wheel carried in .gpu/p5 (the device has no network)
       [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps \
         --target /tmp/pyspy .gpu/p5/py_spy-*.whl
-      mkdir -p "$OUT/$mode"
-      timeout 560 /tmp/pyspy/bin/py-spy record --format raw --nolineno --idle --rate 1000 \
-        --nonblocking -o "/tmp/$mode.samples" -- python3 bench/e2e/bench_e2e.py "${mode#host-}" \
-        --profile host --reps 1 --commit "$commit" --out "$OUT/$mode" --install /tmp/site \
-        >"$log" 2>&1
-      python3 bench/e2e/host_samples.py "/tmp/$mode.samples" --rate 1000 \
+      LORAPLEX_PYSPY=/tmp/pyspy/bin/py-spy timeout 560 python3 bench/e2e/bench_e2e.py \
+        "${mode#host-}" --profile host --reps 1 --commit "$commit" --out "$OUT/$mode" \
+        --install /tmp/site >"$log" 2>&1
+      python3 bench/e2e/host_samples.py "$OUT/$mode/host.samples" --rate 250 \
         --out "$OUT/$mode/samples.json" 2>&1 | tee -a "$log" | head -70 ;;
     prefill-*)
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \
