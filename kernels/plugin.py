@@ -4,14 +4,15 @@ Registered under the `vllm.general_plugins` entry point (pyproject.toml), which 
 front end, the engine core and every worker it spawns. `register()` is idempotent, never raises,
 and logs one line saying what it did:
 
-- on vLLM 0.26 with CUDA it registers `torch.ops.loraplex.fused_moe_lora` (a custom op, so
-  torch.compile and CUDA graphs treat it as vLLM's own) and points `PunicaWrapperGPU` at it;
-  calls our kernels do not cover (fully_sharded, more than two slices, rank > 128) go to vLLM's
-  own implementation. It also routes `PunicaWrapperGPU.add_lora_linear` (attention and other
-  dense layers) through `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode
-  batches of up to DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the
-  MoE-LoRA routing (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS
-  (token, expert) pairs on;
+- on vLLM 0.26 with CUDA it registers `torch.ops.loraplex.fused_moe_lora` (registered as vLLM
+  registers its own ops, so torch.compile and CUDA graphs treat it as vLLM's) and points
+  `PunicaWrapperGPU` at it; calls our kernels do not cover (fully_sharded, more than two
+  slices, rank > 128) go to vLLM's own implementation. It also routes
+  `PunicaWrapperGPU.add_lora_linear` (attention and other dense layers) through
+  `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode batches of up to
+  DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
+  (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
+  pairs on;
 - it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
   `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
@@ -71,6 +72,26 @@ def _switch_from_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
 
 
+_LIBRARY: list[Any] = []  # the torch.library.Library our ops live in, kept alive with the process
+
+
+def _register_op(name: str, fn: Callable[..., None], mutates_args: tuple[str, ...]) -> Any:
+    """torch.ops.loraplex.<name> with `fn`'s schema, dispatched straight to `fn` on CUDA, and a
+    no-op fake for torch.compile; vLLM registers its own ops so too (`direct_register_custom_op`).
+
+    Not torch.library.custom_op: every call of one goes through Python dispatch layers (an
+    ADInplaceOrView kernel, a dynamo-disabled wrapper, alias checks). A prefill of 16 x 1600
+    tokens makes 480 calls of our three ops, and the plugin's prefill was bound by the host
+    (py-spy on the H200 found no wait on the GPU in it; bench_e2e.py --profile host)."""
+    if not _LIBRARY:
+        _LIBRARY.append(torch.library.Library("loraplex", "FRAGMENT"))
+    library = _LIBRARY[0]
+    library.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+    library.impl(name, fn, "CUDA")
+    library._register_fake(name, lambda *args, **kwargs: None)
+    return getattr(torch.ops.loraplex, name)
+
+
 def _define_op(original: Callable[..., None]) -> Any:
     """torch.ops.loraplex.fused_moe_lora with vLLM 0.26's schema; `original` is vLLM's eager
     implementation, used for the calls ours does not cover. Defined once per process."""
@@ -78,7 +99,6 @@ def _define_op(original: Callable[..., None]) -> Any:
         return torch.ops.loraplex.fused_moe_lora
     from .moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora
 
-    @torch.library.custom_op(OP_NAME, mutates_args=("output",))
     def op(
         output: torch.Tensor,
         qcurr_hidden_states: torch.Tensor,
@@ -128,11 +148,7 @@ def _define_op(original: Callable[..., None]) -> Any:
         except UnsupportedMoeLoraCall:
             original(*args)
 
-    @op.register_fake
-    def _fake(*args: object, **kwargs: object) -> None:
-        return None
-
-    return torch.ops.loraplex.fused_moe_lora
+    return _register_op(OP_NAME.split("::")[1], op, mutates_args=("output",))
 
 
 def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -> Any:
@@ -144,7 +160,6 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
     from .lora_dense_op import UnsupportedDenseCall, lora_dense
     from .lora_dense_tiled import lora_dense_tiled
 
-    @torch.library.custom_op(DENSE_OP_NAME, mutates_args=("y",))
     def op(
         y: torch.Tensor,
         x: torch.Tensor,
@@ -180,11 +195,7 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
         shrink(x, lora_a, buffer, *meta, scale)
         expand(buffer, lora_b, y, *meta, offset_start=0, add_inputs=add_inputs)
 
-    @op.register_fake
-    def _fake(*args: object, **kwargs: object) -> None:
-        return None
-
-    return torch.ops.loraplex.lora_linear
+    return _register_op(DENSE_OP_NAME.split("::")[1], op, mutates_args=("y",))
 
 
 def _define_align_op(original: Callable[..., None]) -> Any:
@@ -195,9 +206,6 @@ def _define_align_op(original: Callable[..., None]) -> Any:
         return torch.ops.loraplex.moe_lora_align_block_size
     from .moe_lora_align import BLOCK_SIZES, moe_lora_align_block_size
 
-    @torch.library.custom_op(
-        ALIGN_OP_NAME, mutates_args=("sorted_token_ids", "experts_ids", "num_tokens_post_pad")
-    )
     def op(
         topk_ids: torch.Tensor,
         token_lora_mapping: torch.Tensor,
@@ -226,11 +234,8 @@ def _define_align_op(original: Callable[..., None]) -> Any:
                  max_num_tokens_padded, max_num_m_blocks, sorted_token_ids, experts_ids,
                  num_tokens_post_pad, adapter_enabled, lora_ids, expert_map)  # fmt: skip
 
-    @op.register_fake
-    def _fake(*args: object, **kwargs: object) -> None:
-        return None
-
-    return torch.ops.loraplex.moe_lora_align_block_size
+    mutated = ("sorted_token_ids", "experts_ids", "num_tokens_post_pad")
+    return _register_op(ALIGN_OP_NAME.split("::")[1], op, mutates_args=mutated)
 
 
 def _add_lora_linear(

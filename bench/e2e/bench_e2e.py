@@ -152,7 +152,8 @@ def run_workload(ns: argparse.Namespace) -> dict:
         llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
         prefill = time.time() - t
         t = time.time()
-        outs = llm.generate(prompts(), full, lora_request=lrs, use_tqdm=False)
+        with GpuClocks() as clocks:
+            outs = llm.generate(prompts(), full, lora_request=lrs, use_tqdm=False)
         total = time.time() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         reps.append(
@@ -162,6 +163,7 @@ def run_workload(ns: argparse.Namespace) -> dict:
                 "out_tokens": tokens,
                 "otps_per_req": 599 / (total - prefill),
                 "throughput": tokens / total,
+                **clocks.medians,
             }
         )
     profile = None
@@ -188,6 +190,49 @@ def run_workload(ns: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
+class GpuClocks:
+    """Median SM clock (MHz) and board power (W) of GPU 0 while the block runs, sampled by NVML
+    every 100 ms on a thread: kernels bound by latency rather than bytes slow down with the
+    clock, so a rep's speed is read beside the clock it ran at."""
+
+    def __enter__(self) -> GpuClocks:
+        import threading
+
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        try:
+            import pynvml  # nvidia-ml-py, a vLLM dependency
+        except ImportError:
+            print("GpuClocks: no pynvml, reps carry no clock", flush=True)
+            return self
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+        def sample() -> None:
+            while not self.done.wait(0.1):
+                self.samples.append((
+                    pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                    pynvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+                ))  # fmt: skip
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self.thread:
+            self.thread.join()
+
+    @property
+    def medians(self) -> dict[str, float]:
+        if not self.samples:
+            return {}
+        return {"sm_clock_mhz": statistics.median(c for c, _ in self.samples),
+                "power_w": round(statistics.median(w for _, w in self.samples), 1)}  # fmt: skip
+
+
 KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
     ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused)_kernel$"),
     ("dense_lora_ours", r"^lora_dense_(tiled_)?(shrink|expand)_kernel$"),
@@ -205,14 +250,16 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
-    """GPU kernel time per step by group, summed over the worker's trace files; plus where the
-    GPU waited on the host: its idle time inside the kernels' span, and the host calls that
-    wait on the GPU (synchronizations, blocking copies) by the ops that made them."""
+    """GPU kernel time per step by group, summed over the worker's trace files, and the kernels
+    that take the most of it; plus where the GPU waited on the host: its idle time inside the
+    kernels' span, and the host calls that wait on the GPU (synchronizations, blocking copies)
+    by the ops that made them."""
     import gzip
     import re
 
     totals: dict[str, float] = {}
     kernels: list[tuple[float, float]] = []
+    by_name: dict[str, list[float]] = {}
     ops: dict[Any, list[tuple[float, float, str]]] = {}
     syncs: list[tuple[Any, float, float, str]] = []
     for path in folder.rglob("*.json*"):
@@ -226,12 +273,18 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
                 group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
                 totals[group] = totals.get(group, 0.0) + dur
                 kernels.append((ts, ts + dur))
+                by_name.setdefault(name, []).append(dur)
             elif cat == "cpu_op":
                 ops.setdefault(ev.get("tid"), []).append((ts, ts + dur, name))
             elif cat == "cuda_runtime" and name.startswith(SYNCS):
                 syncs.append((ev.get("tid"), ts, dur, name))
     per_step: dict[str, Any] = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
     per_step["all_kernels"] = round(sum(totals.values()) / steps, 1)
+    top_names = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:16]
+    per_step["top_kernels"] = {  # name: [launches per step, µs per step, median µs per launch]
+        name[:90]: [len(d) // steps, round(sum(d) / steps, 1), round(statistics.median(d), 2)]
+        for name, d in top_names
+    }
     busy, end = 0.0, float("-inf")
     for lo, hi in sorted(kernels):  # the union of kernel intervals
         busy += max(0.0, hi - max(lo, end))

@@ -1,26 +1,24 @@
 """Where the host's time goes, from py-spy's samples of bench_e2e.py's sampled prefills.
 
-    python3 bench/e2e/host_samples.py SAMPLES.txt --rate 250 --out ROW.json
+    python3 bench/e2e/host_samples.py SAMPLES.txt --row e2e_plugin.json --out ROW.json
 
-SAMPLES.txt is `py-spy record --format raw --nolineno --idle --rate RATE` output: one line per
-distinct stack, `frame;frame;...;leaf COUNT`. Only stacks through `timed_prefills` count; every
-figure is ms per prefill (samples / rate / prefills). `self` is by leaf frame: where the thread
-was, including waits (--idle keeps the samples of a thread blocked in a synchronize or a
-launch). `inclusive` is by frame, each counted once per stack.
+SAMPLES.txt is `py-spy record --format raw --nolineno --idle` output: one line per distinct
+stack, `frame;frame;...;leaf COUNT`. Only stacks through `timed_prefills` count. py-spy falls
+behind its rate on vLLM's many threads (it took 54 samples in 3.9 s asked for 250/s), so a
+frame's time is its share of those samples times the median prefill wall that the bench's row
+records, in ms per prefill. `self` is by leaf frame: where the thread was, waits included (--idle
+keeps the samples of a thread blocked in a synchronize or a launch). `inclusive` is by frame,
+each counted once per stack.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
-
-try:
-    from bench.e2e.bench_e2e import SAMPLED_PREFILLS
-except ModuleNotFoundError:  # run as a script: bench_e2e.py sits beside this file
-    from bench_e2e import SAMPLED_PREFILLS  # type: ignore[no-redef]
 
 UNDER = "timed_prefills"
 
@@ -37,9 +35,11 @@ def read_stacks(path: Path) -> Counter[tuple[str, ...]]:
     return stacks
 
 
-def summarize(stacks: Counter[tuple[str, ...]], rate: float, prefills: int, top: int = 40):
+def summarize(stacks: Counter[tuple[str, ...]], wall_ms: float, top: int = 40) -> dict[str, Any]:
+    total = sum(stacks.values())
+
     def ms(samples: int) -> float:
-        return round(1e3 * samples / rate / prefills, 2)
+        return round(wall_ms * samples / max(total, 1), 2)
 
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
@@ -48,7 +48,8 @@ def summarize(stacks: Counter[tuple[str, ...]], rate: float, prefills: int, top:
         for frame in set(frames):
             inclusive[frame] += count
     return {
-        "ms_per_prefill": ms(sum(stacks.values())),
+        "samples": total,
+        "prefill_ms": round(wall_ms, 1),
         "self": [[f, ms(n)] for f, n in own.most_common(top)],
         "inclusive": [[f, ms(n)] for f, n in inclusive.most_common(top + 20)],
     }
@@ -57,13 +58,13 @@ def summarize(stacks: Counter[tuple[str, ...]], rate: float, prefills: int, top:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("samples", type=Path)
-    parser.add_argument("--rate", type=float, required=True, help="py-spy's --rate, samples/s")
-    parser.add_argument("--prefills", type=int, default=SAMPLED_PREFILLS)
+    parser.add_argument("--row", type=Path, required=True, help="bench_e2e.py's JSON row")
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()
-    row: dict[str, Any] = summarize(read_stacks(ns.samples), ns.rate, ns.prefills)
+    walls = json.loads(ns.row.read_text())["host_profile_us"]["prefill_s_sampled"]
+    row = summarize(read_stacks(ns.samples), 1e3 * statistics.median(walls))
     ns.out.write_text(json.dumps(row, indent=1) + "\n")
-    print("HOST", ns.samples.name, "ms per prefill", row["ms_per_prefill"])
+    print("HOST", ns.samples.name, row["samples"], "samples; prefill ms", row["prefill_ms"])
     for kind in ("self", "inclusive"):
         for frame, value in row[kind][:30]:
             print(f"{kind:9} {value:8.2f}  {frame[:150]}")

@@ -61,3 +61,33 @@ def test_warm_up_rows_cover_one_row_and_both_sides_of_128_within_the_batch() -> 
     assert warm_up_rows(256) == [1, 2, 16, 128, 129, 144]
     assert warm_up_rows(64) == [1, 2, 16]
     assert warm_up_rows(1) == [1]
+
+
+def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> None:
+    """The three ops are registered as vLLM registers its own: a CUDA kernel and a fake, no
+    torch.library.custom_op layers (their per-call Python cost is what the change removed), and
+    the arguments vLLM's callers expect written in place are marked so in the schema."""
+    import torch
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    from loraplex.kernels import plugin
+
+    ops = {
+        "fused_moe_lora": (plugin._define_op(lambda *args: None), {"output"}),
+        "lora_linear": (plugin._define_dense_op(lambda *args: None, lambda *args: None), {"y"}),
+        "moe_lora_align_block_size": (
+            plugin._define_align_op(lambda *args: None),
+            {"sorted_token_ids", "experts_ids", "num_tokens_post_pad"},
+        ),
+    }
+    assert plugin._define_op(lambda *args: None) is ops["fused_moe_lora"][0]  # defined once
+    for name, (op, mutated) in ops.items():
+        qualified = f"loraplex::{name}"
+        assert op._qualified_op_name == qualified
+        assert _maybe_get_opdef(qualified) is None
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CUDA")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "Meta")  # the fake
+        written = {
+            a.name for a in op.default._schema.arguments if a.alias_info and a.alias_info.is_write
+        }
+        assert written == mutated
