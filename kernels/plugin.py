@@ -79,10 +79,13 @@ def _register_op(name: str, fn: Callable[..., None], mutates_args: tuple[str, ..
     """torch.ops.loraplex.<name> with `fn`'s schema, dispatched straight to `fn` on CUDA, and a
     no-op fake for torch.compile; vLLM registers its own ops so too (`direct_register_custom_op`).
 
-    Not torch.library.custom_op: every call of one goes through Python dispatch layers (an
-    ADInplaceOrView kernel, a dynamo-disabled wrapper, alias checks). A prefill of 16 x 1600
-    tokens makes 480 calls of our three ops, and the plugin's prefill was bound by the host
-    (py-spy on the H200 found no wait on the GPU in it; bench_e2e.py --profile host)."""
+    Not torch.library.custom_op: each call of one goes through Python dispatch layers (an
+    ADInplaceOrView kernel, a dynamo-disabled wrapper, alias checks), and a prefill of 16 x 1600
+    tokens makes 480 calls of our three ops. On the H200 (bench_e2e.py --profile host, engine in
+    process) those layers were the host's largest self time under cProfile, and are gone from
+    it now; the prefill's wall did not move (median 0.49 s before, 0.50 s after), because the
+    host now reaches vLLM's step-start sync (LoRAKernelMeta.prepare_tensors) sooner and waits
+    there instead."""
     if not _LIBRARY:
         _LIBRARY.append(torch.library.Library("loraplex", "FRAGMENT"))
     library = _LIBRARY[0]
