@@ -12,7 +12,8 @@ and logs one line saying what it did:
   `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode batches of up to
   DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
-  pairs on;
+  pairs on; and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
+  vLLM's waits for the device;
 - it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
   `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
@@ -373,6 +374,8 @@ def _patch() -> PluginState:
         return PluginState.UNSUPPORTED
     from vllm.lora.ops.triton_ops import lora_expand_op, lora_shrink_op
 
+    from .lora_mapping import update_metadata
+
     ours = _define_op(original)
     _define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
     align = _define_align_op(punica_gpu.ops.moe_lora_align_block_size)
@@ -381,9 +384,11 @@ def _patch() -> PluginState:
     # punica_gpu calls it as `ops.moe_lora_align_block_size`, looked up on each call.
     punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
+    punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
     _patch_warm_up()
-    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora, add_lora_linear and "
-             "moe_lora_align_block_size (pid %d)", version, os.getpid())  # fmt: skip
+    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora, add_lora_linear, "
+             "moe_lora_align_block_size and the LoRA batch metadata (pid %d)", version,
+             os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 
