@@ -184,7 +184,8 @@ def run_workload(ns: argparse.Namespace) -> dict:
             ns.out / "host.samples",
         )
     return {
-        "startup_s": startup, "reps": reps, f"{ns.profile}_profile_us": profile,
+        "startup_s": startup, "reps": reps,
+        **({f"{ns.profile}_profile_us": profile} if ns.profile else {}),
         "otps_per_req_median": statistics.median(r["otps_per_req"] for r in reps),
         "prefill_s_median": statistics.median(r["prefill_s"] for r in reps),
     }  # fmt: skip
