@@ -43,7 +43,7 @@ def slots_of(lora_ids: Sequence[int], lora_index_to_id: Sequence[int | None]) ->
 
 def _to_device(dst: torch.Tensor, array: np.ndarray) -> None:
     """dst[:len(array)] = array, without waiting for the device when dst is on one."""
-    src = torch.from_numpy(np.ascontiguousarray(array, dtype=np.dtype(str(dst.dtype)[6:])))
+    src = torch.from_numpy(np.ascontiguousarray(array)).to(dst.dtype)
     if dst.is_cuda:
         src = src.pin_memory()  # a pageable source would make the copy wait for the stream
     dst[: src.shape[0]].copy_(src, non_blocking=True)
@@ -83,9 +83,9 @@ def update_metadata(
     tokens = slots_of(mapping.index_mapping, lora_index_to_id)
     prompts = slots_of(mapping.prompt_mapping, lora_index_to_id)
     # convert_mapping's outputs: embeddings rows are (slot * extra vocab = 0, slot * vocab),
-    # slot 0 for tokens without adapter; padded sampler rows index a (rows x max_loras) table.
+    # slot 0 for tokens without adapter (so never -1: its `where(== -1, max_loras - 1)` cannot
+    # fire); padded sampler rows index a (rows x max_loras) table.
     embeddings = np.stack([np.zeros_like(tokens), np.maximum(tokens, 0) * vocab_size])
-    embeddings = np.where(embeddings == -1, max_loras - 1, embeddings)
     padded = np.where(prompts == -1, max_loras - 1, prompts)
     padded = np.arange(len(padded), dtype=np.int64) + padded * len(padded)
     _to_device(self._token_lora_indices, tokens)

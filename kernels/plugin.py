@@ -76,17 +76,19 @@ def _switch_from_env() -> bool:
 _LIBRARY: list[Any] = []  # the torch.library.Library our ops live in, kept alive with the process
 
 
-def _register_op(name: str, fn: Callable[..., None], mutates_args: tuple[str, ...]) -> Any:
-    """torch.ops.loraplex.<name> with `fn`'s schema, dispatched straight to `fn` on CUDA, and a
-    no-op fake for torch.compile; vLLM registers its own ops so too (`direct_register_custom_op`).
+def _register_op(qualified: str, fn: Callable[..., None], mutates_args: tuple[str, ...]) -> Any:
+    """The op `qualified` ("loraplex::name") with `fn`'s schema, dispatched straight to `fn` on
+    CUDA, and a no-op fake for torch.compile; vLLM registers its own ops so too
+    (`direct_register_custom_op`).
 
     Not torch.library.custom_op: each call of one goes through Python dispatch layers (an
     ADInplaceOrView kernel, a dynamo-disabled wrapper, alias checks), and a prefill of 16 x 1600
     tokens makes 480 calls of our three ops. On the H200 (bench_e2e.py --profile host, engine in
     process) those layers were the host's largest self time under cProfile, and are gone from
     it now; the prefill's wall did not move (median 0.49 s before, 0.50 s after), because the
-    host now reaches vLLM's step-start sync (LoRAKernelMeta.prepare_tensors) sooner and waits
-    there instead."""
+    host now reached vLLM's step-start sync (LoRAKernelMeta.prepare_tensors) sooner and waited
+    there instead; `lora_mapping` removes that sync."""
+    name = qualified.split("::")[1]
     if not _LIBRARY:
         _LIBRARY.append(torch.library.Library("loraplex", "FRAGMENT"))
     library = _LIBRARY[0]
@@ -152,7 +154,7 @@ def _define_op(original: Callable[..., None]) -> Any:
         except UnsupportedMoeLoraCall:
             original(*args)
 
-    return _register_op(OP_NAME.split("::")[1], op, mutates_args=("output",))
+    return _register_op(OP_NAME, op, mutates_args=("output",))
 
 
 def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -> Any:
@@ -199,7 +201,7 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
         shrink(x, lora_a, buffer, *meta, scale)
         expand(buffer, lora_b, y, *meta, offset_start=0, add_inputs=add_inputs)
 
-    return _register_op(DENSE_OP_NAME.split("::")[1], op, mutates_args=("y",))
+    return _register_op(DENSE_OP_NAME, op, mutates_args=("y",))
 
 
 def _define_align_op(original: Callable[..., None]) -> Any:
@@ -239,7 +241,7 @@ def _define_align_op(original: Callable[..., None]) -> Any:
                  num_tokens_post_pad, adapter_enabled, lora_ids, expert_map)  # fmt: skip
 
     mutated = ("sorted_token_ids", "experts_ids", "num_tokens_post_pad")
-    return _register_op(ALIGN_OP_NAME.split("::")[1], op, mutates_args=mutated)
+    return _register_op(ALIGN_OP_NAME, op, mutates_args=mutated)
 
 
 def _add_lora_linear(

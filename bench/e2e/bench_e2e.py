@@ -319,15 +319,15 @@ def timed_prefills(prefill: Callable[[], Any]) -> list[float]:
     return walls
 
 
-def sampled_prefills(prefill: Callable[[], Any], samples: Path | None) -> list[float]:
-    """Unprofiled prefills and their walls; with `samples`, py-spy (LORAPLEX_PYSPY, the binary)
-    attaches to this process for them and writes its raw stacks there."""
+def sampled_prefills(prefill: Callable[[], Any], samples: Path) -> list[float]:
+    """Unprofiled prefills and their walls; with LORAPLEX_PYSPY (the binary) set, py-spy
+    attaches to this process for them and writes its raw stacks to `samples`."""
     import ctypes
     import signal
     import subprocess
 
     spy = None
-    if samples and (binary := os.environ.get("LORAPLEX_PYSPY")):
+    if binary := os.environ.get("LORAPLEX_PYSPY"):
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # Yama: let it trace us
         spy = subprocess.Popen(
             [binary, "record", "--pid", str(os.getpid()), "--rate", str(PYSPY_RATE), "--idle",
