@@ -120,6 +120,9 @@ def lora_dense_expand_kernel(
     nmask = offs_n < n
     b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
                 mask=nmask[:, None] & (offs_r < RANK)[None, :], other=0.0)  # fmt: skip
+    ptrs = y_ptr + t.to(tl.int64) * stride_ym + col0 + offs_n
+    # y was written before the shrink started, so it loads before the wait too.
+    prior = tl.load(ptrs, mask=nmask, other=0.0) if ADD_INPUTS else 0.0
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     cell = (s * num_tokens + t).to(tl.int64) * SPLIT_K * BLOCK_R
@@ -128,10 +131,6 @@ def lora_dense_expand_kernel(
         tmp += tl.load(ws_ptr + cell + ks * BLOCK_R + offs_r)
     tmp = tmp.to(b.dtype).to(tl.float32)
     out = tl.sum(b.to(tl.float32) * tmp[None, :], axis=1)
-    ptrs = y_ptr + t.to(tl.int64) * stride_ym + col0 + offs_n
     # Rounded to y's dtype before the add, as vLLM's expand does, so that greedy decoding
     # follows stock vLLM's numbers (an fp32 add flipped a near-tie token in the e2e check).
-    delta = out.to(y_ptr.dtype.element_ty)
-    if ADD_INPUTS:
-        delta += tl.load(ptrs, mask=nmask, other=0.0)
-    tl.store(ptrs, delta, mask=nmask)
+    tl.store(ptrs, out.to(y_ptr.dtype.element_ty) + prior, mask=nmask)

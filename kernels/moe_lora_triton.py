@@ -171,30 +171,28 @@ def _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT: tl.constexpr)
 
 
 @triton.jit
-def _add_into_output(
-    acc,
-    tokens,
-    tmask,
-    offs_n,
-    n_hi,
-    col0,
-    out_ptr,
-    weights,
-    stride_om,
-    stride_on,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    ADD_INPUTS: tl.constexpr,
-):
-    """output[tokens, col0 + offs_n] (+)= acc (* routing weight); acc is (BLOCK_M, BLOCK_N) fp32."""
+def _output_tile(tokens, tmask, offs_n, n_hi, col0, out_ptr, stride_om, stride_on):
+    """Pointers and mask of output[tokens, col0 + offs_n]."""
+    ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + (col0 + offs_n)[None, :] * stride_on
+    return ptrs, tmask[:, None] & (offs_n < n_hi)[None, :]
+
+
+@triton.jit
+def _load_prior(ptrs, mask, ADD_INPUTS: tl.constexpr):
+    """The output tile the delta adds to (0 where the op overwrites)."""
+    if ADD_INPUTS:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _store_sum(acc, prior, weights, ptrs, mask, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """output tile = prior + acc (* routing weight); acc is (BLOCK_M, BLOCK_N) fp32."""
     if MUL_ROUTED_WEIGHT:
         acc = acc * weights[:, None]
-    ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + (col0 + offs_n)[None, :] * stride_on
-    mask = tmask[:, None] & (offs_n < n_hi)[None, :]
     # Rounded to the output dtype before the add, as vLLM's kernel does (same numbers as stock).
-    delta = acc.to(out_ptr.dtype.element_ty)
-    if ADD_INPUTS:
-        delta += tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, delta, mask=mask)
+    tl.store(ptrs, acc.to(ptrs.dtype.element_ty) + prior, mask=mask)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -329,6 +327,13 @@ def moe_lora_expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
     b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
+    tmask = tokens < num_pairs
+    # The output tile and routing weights were written before the shrink started, so they load
+    # before the wait too: the wait is then the only latency left between the shrink and the add.
+    out_ptrs, out_mask = _output_tile(tokens, tmask, offs_n, N, col_offset + s * N, out_ptr,
+                                      stride_om, stride_on)  # fmt: skip
+    prior = _load_prior(out_ptrs, out_mask, ADD_INPUTS)
+    weights = _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     offs_m = tl.arange(0, BLOCK_M)
@@ -337,18 +342,12 @@ def moe_lora_expand_kernel(
     ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
     # Only rows of real pairs: sorted decode blocks hold one or two pairs in BLOCK_M rows, and
     # reading the padding rows would cost more than B itself.
-    tmask = tokens < num_pairs
     rows_mask = ((offs_m < WS_ROWS) & tmask)[:, None]
     tmp = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for _ks in tl.static_range(SPLIT_K):
         tmp += tl.load(ptrs, mask=rows_mask, other=0.0)
         ptrs += WS_ROWS * BLOCK_R
-    acc = tl.dot(tmp.to(b.dtype), b)
-    _add_into_output(
-        acc, tokens, tmask, offs_n, N, col_offset + s * N, out_ptr,
-        _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT),
-        stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
-    )  # fmt: skip
+    _store_sum(tl.dot(tmp.to(b.dtype), b), prior, weights, out_ptrs, out_mask, MUL_ROUTED_WEIGHT)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -468,7 +467,6 @@ def _expand_range(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         b = _load_b(b_base, offs_n, n_hi, stride_bn, stride_br, BLOCK_R, RANK)
-        _add_into_output(
-            tl.dot(tmp, b), tokens, tmask, offs_n, n_hi, col0, out_ptr, weights,
-            stride_om, stride_on, MUL_ROUTED_WEIGHT, ADD_INPUTS,
-        )  # fmt: skip
+        ptrs, mask = _output_tile(tokens, tmask, offs_n, n_hi, col0, out_ptr, stride_om, stride_on)
+        prior = _load_prior(ptrs, mask, ADD_INPUTS)
+        _store_sum(tl.dot(tmp, b), prior, weights, ptrs, mask, MUL_ROUTED_WEIGHT)

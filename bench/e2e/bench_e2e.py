@@ -451,6 +451,10 @@ def main() -> None:
     run = run_check if ns.mode.startswith("check") else run_workload
     row = {"mode": ns.mode, "machine": torch.cuda.get_device_name(), "commit": ns.commit,
            "layers": ns.layers, **run(ns)}  # fmt: skip
+    # vLLM's LoRA switches set for this run (VLLM_LORA_ENABLE_DUAL_STREAM, ...), so rows from
+    # runs that differ only there can be told apart.
+    if lora_env := {k: v for k, v in os.environ.items() if k.startswith("VLLM_LORA_")}:
+        row["vllm_lora_env"] = lora_env
     (ns.out / f"e2e_{ns.mode}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 
