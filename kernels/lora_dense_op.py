@@ -105,12 +105,12 @@ def lora_dense(
     ws = torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32, device=x.device)
     a, b, widths = padded_slices(lora_a, lora_b)
     use_pdl = on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = {"launch_pdl": True} if use_pdl else {}
     kt.lora_dense_shrink_kernel[(num_tokens, slices, split_k)](
         x, *a, ws, token_lora_mapping, scale, k, num_tokens, lora_a[0].shape[0],
         x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
-        BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl,
+        BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl, **pdl,
     )  # fmt: skip
-    pdl = {"launch_pdl": True} if use_pdl else {}
     kt.lora_dense_expand_kernel[(num_tokens, triton.cdiv(max(widths), block_n), slices)](
         ws, *b, y, token_lora_mapping, *widths, num_tokens, lora_b[0].shape[0],
         y.stride(0), *(t.stride(0) for t in b), lora_b[0].stride(2),

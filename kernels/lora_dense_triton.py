@@ -6,8 +6,9 @@ writes scale * x[t, K range] @ A[s][slot].T for one K range to a fp32 workspace;
 `lora_dense_expand_kernel` (grid tokens x N tiles x slices) sums the K ranges, rounds to the
 weights' dtype as vLLM does, multiplies by its B tile and adds into its columns of y. Up to three
 slices (q, k, v) with their own widths; one shrink launch and one expand launch per layer call,
-the expand started early with Programmatic Dependent Launch. vLLM 0.26 spends three launches
-(shrink, a memset of its buffer, expand) per call.
+both under Programmatic Dependent Launch: the shrink's launch overlaps the tail of the kernel
+before it, and the expand starts while the shrink runs. vLLM 0.26 spends three launches (shrink,
+a memset of its buffer, expand) per call.
 """
 
 import triton
@@ -60,6 +61,10 @@ def lora_dense_shrink_kernel(
     s = tl.program_id(1)
     ks = tl.program_id(2)
     if USE_PDL:
+        # Launched under PDL as well, after whatever kernel came before: wait for its writes
+        # (x, the routing, the output the expand loads before its own wait), then let the
+        # expand launch. The launch itself overlaps the previous kernel's tail.
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(tlm_ptr + t)
     if (slot < 0) | (slot >= max_loras):
@@ -121,7 +126,7 @@ def lora_dense_expand_kernel(
     b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
                 mask=nmask[:, None] & (offs_r < RANK)[None, :], other=0.0)  # fmt: skip
     ptrs = y_ptr + t.to(tl.int64) * stride_ym + col0 + offs_n
-    # y was written before the shrink started, so it loads before the wait too.
+    # y was written before the shrink let this grid launch, so it loads before the wait too.
     prior = tl.load(ptrs, mask=nmask, other=0.0) if ADD_INPUTS else 0.0
     if USE_PDL:
         tl.extra.cuda.gdc_wait()

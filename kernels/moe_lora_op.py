@@ -198,6 +198,7 @@ def fused_moe_lora(
         (len(lora_a), num_units, split, ws_rows, block_r), dtype=torch.float32, device=x.device
     )
     use_pdl = pdl_ok
+    pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
     kt.moe_lora_shrink_kernel[(num_units, slice_programs, split)](
         x, a0, a1, ws, *routing, k, *lengths,
         x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
@@ -205,8 +206,8 @@ def fused_moe_lora(
         BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
         EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
         FUSE_SLICES=fuse_slices, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_kwargs,
     )  # fmt: skip
-    pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
     kt.moe_lora_expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](
         ws, b0, b1, out2d, topk_weights, *routing, n, *lengths, offset,
         *b0.stride(), *out2d.stride(), stride_sl, stride_el,

@@ -12,9 +12,11 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
   written; with FUSE_SLICES one program per unit does gate and up from one gather of x), then
   `moe_lora_expand_kernel` (grid units x N tiles x slices) sums the partials, multiplies by B
   and adds into the output. Many small programs keep enough loads in flight at
-  decode sizes, where one program per pair would stream all of A alone. With Programmatic
-  Dependent Launch the expand grid starts early, loads its B tile, and waits for the shrink only
-  before it reads the partials.
+  decode sizes, where one program per pair would stream all of A alone. Both launch under
+  Programmatic Dependent Launch: the shrink's launch overlaps the tail of the kernel before it
+  (it waits for that kernel before reading anything), and the expand grid starts while the
+  shrink runs, loads its B tile and output tile, and waits for the shrink only before it reads
+  the partials.
 - fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
   on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one
   gather of x rows (at prefill the gathered x rows are a third of the traffic).
@@ -242,6 +244,10 @@ def moe_lora_shrink_kernel(
     s = tl.program_id(1)
     ks = tl.program_id(2)
     if USE_PDL:
+        # Launched under PDL as well, after whatever kernel came before: wait for its writes
+        # (x, the routing, the output the expand loads before its own wait), then let the
+        # expand launch. The launch itself overlaps the previous kernel's tail.
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     slot, expert, tokens, valid = _resolve_unit(
         unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
@@ -328,8 +334,9 @@ def moe_lora_expand_kernel(
     b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
     b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
     tmask = tokens < num_pairs
-    # The output tile and routing weights were written before the shrink started, so they load
-    # before the wait too: the wait is then the only latency left between the shrink and the add.
+    # The output tile and routing weights were written before the shrink let this grid launch
+    # (it first waits for the kernel before it), so they load before the wait too: the wait is
+    # then the only latency left between the shrink and the add.
     out_ptrs, out_mask = _output_tile(tokens, tmask, offs_n, N, col_offset + s * N, out_ptr,
                                       stride_om, stride_on)  # fmt: skip
     prior = _load_prior(out_ptrs, out_mask, ADD_INPUTS)

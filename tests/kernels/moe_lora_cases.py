@@ -187,3 +187,18 @@ def assert_same_groups(
             want = torch.sort(ref[slot, lo:hi]).values
             assert torch.equal(got, want), f"slot {slot}, expert {row[start]}"
             start = end
+
+
+def slowly_written(values: torch.Tensor, lead_bytes: int = 2**30) -> tuple[torch.Tensor, Any]:
+    """(view, rewrite): `view` is shaped like `values` and sits at the end of a poisoned 1 GiB
+    buffer; `rewrite()` copies the whole buffer, `view` last, so that `view` then holds `values`.
+
+    On a GPU that copy takes about a quarter of a millisecond. A kernel launched right after it
+    that read `view` before the copy finished would see the poison: how the tests check that our
+    PDL launches wait for the kernel before them.
+    """
+    lead = lead_bytes // values.element_size()
+    big = torch.full((lead + values.numel(),), 1e4, dtype=values.dtype, device=values.device)
+    src = torch.zeros_like(big)
+    src[lead:] = values.flatten()
+    return big[lead:].view(values.shape), lambda: big.copy_(src)

@@ -47,3 +47,30 @@ def test_lora_linear_op_matches_vllm(tokens: int, dtype: torch.dtype) -> None:
     err = float((ours.float() - theirs.float()).norm() / theirs.float().norm())
     assert err < 2e-2, err
     assert not ours[tlm < 0].any()
+
+
+def test_expand_reads_y_only_after_the_kernel_before() -> None:
+    """The decode expand loads y before its PDL wait, which waits for the shrink only: safe
+    because the shrink, itself launched under PDL, first waits for the kernel before it. Here
+    that kernel writes y just before the call; the result must equal a call on a y written long
+    before."""
+    from moe_lora_cases import slowly_written
+
+    from loraplex.kernels.lora_dense_op import lora_dense
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    widths, k, rank, slots, tokens = [4096, 512, 512], 2048, 32, 8, 16
+    x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
+    a = [(torch.randn(slots, 1, rank, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+         for _ in widths]  # fmt: skip
+    b = [(torch.randn(slots, 1, n, rank, device="cuda", generator=gen) / 8).bfloat16()
+         for n in widths]  # fmt: skip
+    tlm = torch.arange(tokens, device="cuda", dtype=torch.int32) % slots
+    settled = torch.randn(tokens, sum(widths), device="cuda", generator=gen).bfloat16()
+    racing, rewrite = slowly_written(settled)
+    torch.cuda.synchronize()
+    rewrite()
+    lora_dense(racing, x, a, b, tlm)
+    lora_dense(settled, x, a, b, tlm)
+    torch.cuda.synchronize()
+    assert torch.equal(racing, settled)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from moe_lora_cases import Case, check_against_reference, make_inputs
+from moe_lora_cases import Case, check_against_reference, make_inputs, slowly_written
 
 from loraplex.kernels import moe_lora_triton as kt
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
@@ -107,6 +107,25 @@ def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     out = args["output"].double().cpu()
     err = float((out - ref).norm() / (ref - before).norm())
     assert err < TOL, err
+
+
+@pytest.mark.parametrize("sorted_form", [False, True], ids=["naive", "sorted"])
+def test_expand_reads_the_output_only_after_the_kernel_before(sorted_form: bool) -> None:
+    """The expand loads its output tile before its PDL wait, which waits for the shrink only:
+    safe because the shrink, itself launched under PDL, first waits for the kernel before it.
+    Here that kernel writes the output just before the call; the result must equal a call on an
+    output written long before."""
+    case = dataclasses.replace(Case(64, 8, 128, 32, 8, "uniform", k=2048, n=768),
+                               sorted_form=sorted_form, block_m=32)  # fmt: skip
+    settled = make_inputs(case, torch.bfloat16, "cuda", seed=11)
+    racing = dict(settled, output=None)
+    racing["output"], rewrite = slowly_written(settled["output"])
+    torch.cuda.synchronize()
+    rewrite()
+    fused_moe_lora(**racing, shrink_block_size_m=case.block_m, config=SPLIT)
+    fused_moe_lora(**settled, shrink_block_size_m=case.block_m, config=SPLIT)
+    torch.cuda.synchronize()
+    assert torch.equal(racing["output"], settled["output"])
 
 
 def test_cuda_graph_replay_and_no_recompile_across_batches() -> None:
