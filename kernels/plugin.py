@@ -51,6 +51,8 @@ DENSE_MAX_TOKENS = 64
 # 45 us (vLLM sorts each slot's pairs in one thread block); 512 pairs 9.8 vs 13.2 us.
 ALIGN_MIN_PAIRS = 2048
 _OFF = {"0", "false", "no", "off"}
+# Our key in vLLM's `additional_config` (see compile_cache_config).
+COMPILE_CACHE_KEY = "loraplex_moe_lora_kernels"
 # Prefill-sized batches start here; smaller ones are vLLM's CUDA-graph sizes, which it captures
 # with LoRA active and so compiles for already.
 WARM_UP_FIRST_TOKENS = 64
@@ -71,6 +73,19 @@ class PluginState(enum.Enum):
 
 def _switch_from_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
+
+
+def compile_cache_config(enabled: bool) -> dict[str, str]:
+    """The switch as an entry of vLLM's `additional_config`, which vLLM hashes into the key of
+    its torch.compile cache. Engines must pass it.
+
+    The compiled graph records the LoRA ops that dynamo traced (ours or vLLM's), but vLLM keys
+    its cache by config and checks only that the traced source files are unchanged. The
+    plugin changes no source file, so without this entry an engine loads whichever graph was
+    compiled first for the same config. On the H200 a plugin run started after a stock run
+    loaded the stock graph: vLLM's dense LoRA kernels ran again, and decode fell to 58 tok/s
+    per request from 65 in that session's run that compiled its own graph."""
+    return {COMPILE_CACHE_KEY: "on" if enabled else "off"}
 
 
 _LIBRARY: list[Any] = []  # the torch.library.Library our ops live in, kept alive with the process

@@ -33,7 +33,8 @@ from typing import Any
 
 import tomllib
 
-ENV_SWITCH = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
+from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
+
 REPO = Path(__file__).resolve().parents[2]
 H, I_MOE, EXPERTS, TOPK, RANK = 2048, 768, 128, 8, 32
 
@@ -118,7 +119,8 @@ def run_workload(ns: argparse.Namespace) -> dict:
                     jit_monitor_verbose=True)  # fmt: skip  # logs every compile while serving
     if ns.mode != "base":
         make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
-        kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8)
+        kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8,
+                  additional_config=compile_cache_config(ns.mode == "plugin"))  # fmt: skip
     prof_dir = Path(f"/tmp/e2e_prof_{ns.mode}_{ns.profile}")
     if ns.profile:
         # Decode: skip the few engine iterations that prefill 16 x 1600 tokens, then 20 steps.

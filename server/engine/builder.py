@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loraplex.kernels.plugin import compile_cache_config
 from loraplex.server.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ def engine_kwargs(settings: EngineSettings, model_dir: Path, served_name: str) -
         "scheduling_policy": "priority",
         # vLLM's Prometheus metrics share /metrics with ours.
         "disable_log_stats": False,
+        # A graph compiled with our kernels on is never loaded with them off, or the reverse.
+        "additional_config": compile_cache_config(settings.moe_lora_kernels),
     }
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
