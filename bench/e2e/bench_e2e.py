@@ -149,14 +149,18 @@ def run_workload(ns: argparse.Namespace) -> dict:
     llm.generate(prompts()[:2], warm, lora_request=lrs[:2] if lrs else None, use_tqdm=False)
     llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)  # loads every adapter
     reps = []
-    for _ in range(ns.reps):
+    for i in range(ns.reps):
         t = time.time()
+        # In vLLM's log format, so that its "JIT compilation during inference" lines from the
+        # engine core can be placed in a repetition (slow ones came with such compiles).
+        print(f"REP {i} starts {time.strftime('%m-%d %H:%M:%S')}", flush=True)
         llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
         prefill = time.time() - t
         t = time.time()
         with GpuClocks() as clocks:
             outs = llm.generate(prompts(), full, lora_request=lrs, use_tqdm=False)
         total = time.time() - t
+        print(f"REP {i} ends {time.strftime('%m-%d %H:%M:%S')}", flush=True)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         reps.append(
             {

@@ -45,5 +45,6 @@ for mode in "$@"; do
       echo "$mode: Triton compiles while serving: $(grep -c 'JIT compilation during inference' "$log")"
       grep 'JIT compilation during inference' "$log" | grep -oE 'inference: [A-Za-z0-9_]+' | sort | uniq -c ;;
   esac
-  grep -E "RESULT|CHECK|ROW|loraplex MoE|Traceback|Error" "$log" | cut -c1-600 | tail -12
+  grep -E "RESULT|CHECK|ROW|REP|JIT compilation during|loraplex MoE|Traceback|Error" "$log" \
+    | cut -c1-600 | tail -16
 done
