@@ -119,8 +119,10 @@ def run_workload(ns: argparse.Namespace) -> dict:
                     jit_monitor_verbose=True)  # fmt: skip  # logs every compile while serving
     if ns.mode != "base":
         make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
+        # The compile-cache key follows the switch main() set for the plugin (one source).
+        plugin_on = os.environ[ENV_SWITCH] == "1"
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8,
-                  additional_config=compile_cache_config(ns.mode == "plugin"))  # fmt: skip
+                  additional_config=compile_cache_config(plugin_on))  # fmt: skip
     prof_dir = Path(f"/tmp/e2e_prof_{ns.mode}_{ns.profile}")
     if ns.profile:
         # Decode: skip the few engine iterations that prefill 16 x 1600 tokens, then 20 steps.
