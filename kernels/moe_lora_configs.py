@@ -37,6 +37,17 @@ class MoeLoraConfig:
     num_warps: int = 4
     num_stages: int = 3
     fuse_slices: bool = False  # 2 slices: one (shrink) program does gate and up, gathering x once
+    # split's expand: each program takes 1/expand_parts of a sorted block's rows (smaller tiles,
+    # more programs per SM) and expand_tiles adjacent N tiles, loading the next while it stores.
+    expand_parts: int = 1
+    expand_tiles: int = 1
+
+    def __post_init__(self) -> None:
+        parts = self.expand_parts
+        if parts < 1 or parts & (parts - 1):
+            raise ValueError(f"expand_parts must be a power of 2 >= 1, got {parts}")
+        if self.expand_tiles < 1:
+            raise ValueError(f"expand_tiles must be >= 1, got {self.expand_tiles}")
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

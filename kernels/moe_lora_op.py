@@ -208,11 +208,22 @@ def fused_moe_lora(
         FUSE_SLICES=fuse_slices, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_kwargs,
     )  # fmt: skip
-    kt.moe_lora_expand_kernel[(num_units, triton.cdiv(n, config.block_n), len(lora_a))](
+    parts = _expand_parts(config, sorted_form, block_m)
+    groups = triton.cdiv(triton.cdiv(n, config.block_n), config.expand_tiles)
+    kt.moe_lora_expand_kernel[(num_units * parts * len(lora_a) * groups,)](
         ws, b0, b1, out2d, topk_weights, *routing, n, *lengths, offset,
         *b0.stride(), *out2d.stride(), stride_sl, stride_el,
         SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad, BLOCK_R=block_r, RANK=rank,
-        BLOCK_N=config.block_n, SPLIT_K=split, WS_ROWS=ws_rows,
-        MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
-        num_warps=config.num_warps, num_stages=2, **pdl_kwargs,
+        BLOCK_N=config.block_n, SPLIT_K=split, WS_ROWS=ws_rows, SLICES=len(lora_a), PARTS=parts,
+        TILES=config.expand_tiles, MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs,
+        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip
+
+
+def _expand_parts(config: MoeLoraConfig, sorted_form: bool, block_m: int) -> int:
+    """Row parts per sorted block for the expand: the configured count while each part keeps
+    the 16 rows tl.dot needs; the naive form's unit is one pair, in one part."""
+    parts = config.expand_parts if sorted_form else 1
+    while parts > 1 and block_m // parts < 16:
+        parts //= 2
+    return parts

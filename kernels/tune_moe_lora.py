@@ -37,8 +37,9 @@ WORKSPACE_MAX_BYTES = 512 * 2**20
 def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     """A short list (each candidate costs a compile per shape). Fused: narrow and wide N tiles,
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
-    K tiles and fewer stages (less shared memory, more programs per SM). Split: 1 to 16 K ranges,
-    and for gate/up a shrink that does both slices, at the two smallest splits.
+    K tiles and fewer stages (less shared memory, more programs per SM), and expands of half
+    blocks over several N tiles. Split: 1 to 16 K ranges, for gate/up a shrink that does both
+    slices at the two smallest splits, and an expand over two N tiles.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -55,15 +56,23 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     splits = [s for s in (1, 2, 4, 8, 16) if s * bk <= k]
     if num_pairs * 32 * 2 * 4 * max(splits) > WORKSPACE_MAX_BYTES:
         splits = [1]
+        both = slices == 2
         out += [
-            MoeLoraConfig("fused", 64, 128, fuse_slices=slices == 2),
-            MoeLoraConfig("fused", 64, 128, num_warps=8, fuse_slices=slices == 2),
-            MoeLoraConfig("fused", bk, 128, num_stages=2, fuse_slices=slices == 2),
+            MoeLoraConfig("fused", 64, 128, fuse_slices=both),
+            MoeLoraConfig("fused", 64, 128, num_warps=8, fuse_slices=both),
+            MoeLoraConfig("fused", bk, 128, num_stages=2, fuse_slices=both),
             MoeLoraConfig("split", bk, 128, num_warps=8),
             MoeLoraConfig("split", 64, 128, num_stages=2),
+            # Half-block expand programs over two or four N tiles: the prefill winners on the
+            # H200 (bench/kernels/probe_expand.py).
+            MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2, expand_tiles=2),
+            MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2, expand_tiles=4),
+            MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2),
+            MoeLoraConfig("split", 64, 256, fuse_slices=both, expand_parts=2),
         ]
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
+    out.append(MoeLoraConfig("split", bk, 128, split_k=splits[-1], expand_tiles=2))
     if slices == 2:  # gate and up from one gather of x: at prefill x is a third of the bytes
         out += [MoeLoraConfig("split", bk, bn, split_k=split, fuse_slices=True)
                 for split in splits[:2] for bn in (64, 128)]  # fmt: skip

@@ -20,7 +20,10 @@ from loraplex.kernels.moe_lora_op import UnsupportedMoeLoraCall
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32, npid=2)
 FUSED_SLICES = MoeLoraConfig("fused", block_k=32, block_n=32, fuse_slices=True)
-SPLIT_SLICES = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, fuse_slices=True)
+# Half-block expand programs over three N tiles: the last group runs past N in every case.
+SPLIT_SLICES = MoeLoraConfig(
+    "split", block_k=32, block_n=32, split_k=2, fuse_slices=True, expand_parts=2, expand_tiles=3
+)
 CONFIGS = [SPLIT, FUSED, FUSED_SLICES, SPLIT_SLICES]
 CONFIG_IDS = ["split", "fused", "fused_slices", "split_slices"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
