@@ -26,3 +26,16 @@ def test_partial_tuning_keeps_other_pair_counts(
     assert configs.lookup("Test GPU", key, 2048, 132) == fused  # re-tuned: replaced
     assert configs.lookup("Test GPU", key, 204800, 132) == fused  # new
     assert configs.lookup("Test GPU", other, 8, 132) == split  # another shape: kept
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"expand_parts": 3}, "expand_parts must be a power of 2 >= 1, got 3"),
+        ({"expand_parts": 0}, "expand_parts must be a power of 2 >= 1, got 0"),
+        ({"expand_tiles": 0}, "expand_tiles must be >= 1, got 0"),
+    ],
+)
+def test_bad_expand_tiling_names_the_field_and_bound(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MoeLoraConfig("split", block_k=64, block_n=128, **fields)
