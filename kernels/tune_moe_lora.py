@@ -63,8 +63,8 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
             MoeLoraConfig("fused", bk, 128, num_stages=2, fuse_slices=both),
             MoeLoraConfig("split", bk, 128, num_warps=8),
             MoeLoraConfig("split", 64, 128, num_stages=2),
-            # Half-block expand programs over two or four N tiles: the prefill winners on the
-            # H200 (bench/kernels/probe_expand.py).
+            # Half-block expand programs over one to four N tiles: the prefill winners of a
+            # sweep of expand variants on the H200 (in the message of commit 44cacc2).
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2, expand_tiles=2),
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2, expand_tiles=4),
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2),

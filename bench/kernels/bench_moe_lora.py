@@ -47,7 +47,8 @@ from loraplex.kernels.tune_moe_lora import candidates, tune_point
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "NUM_WARPS",
                "NUM_STAGES", "SPLIT_K")  # fmt: skip
 DEFAULTS = (64, 64, 32, 8, 4, 3, 1)  # punica_gpu.add_lora_fused_moe's .get() defaults
-# Above this many tokens a batch is a prefill (vLLM captures CUDA graphs up to max_num_seqs).
+# Above this many tokens a batch is a prefill: vLLM 0.26 captures CUDA graphs up to
+# min(2 x max_num_seqs, 512) tokens, so larger batches always run eagerly.
 PREFILL_MIN_TOKENS = 512
 # At prefill sizes our op serves unless vLLM's is this much faster. vLLM's one-shot kernel
 # specialises on arguments its warm-up cannot enumerate, and JIT-compiled while serving in

@@ -64,6 +64,8 @@ SORTED_CASES = {
     ),
     "t2047_k1_e32_r16_a2_bm128": _sorted(Case(2047, 1, 32, 16, 2, k=32, n=16), block_m=128),
     "t17_k2_e8_r32_a3_disabled_bm16": _sorted(Case(17, 2, 8, 32, 3, disabled_slot=True)),
+    # 25 pairs per (slot, expert): both row parts of a 32-row block hold real pairs.
+    "t200_k2_e8_r16_a2_bm32": _sorted(Case(200, 2, 8, 16, 2), block_m=32),
 }
 
 
@@ -90,7 +92,10 @@ def test_sorted_form_matches_reference(name: str, config: MoeLoraConfig) -> None
     "case",
     [
         Case(6, 2, 8, 16, 3, offset=7, add_inputs=False),
-        _sorted(Case(40, 4, 8, 32, 4, mul_routed_weight=True, add_inputs=False, offset=3)),
+        # 20 pairs per (slot, expert): the split_slices config's second row part has real rows.
+        _sorted(
+            Case(160, 4, 8, 32, 4, mul_routed_weight=True, add_inputs=False, offset=3), block_m=32
+        ),
     ],
     ids=["naive_offset_overwrite", "sorted_down_overwrite"],
 )
