@@ -13,11 +13,11 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
   `moe_lora_expand_kernel` (one program per part of a unit's rows, slice and group of N tiles)
   sums the partials, multiplies by B and adds into the output. Many small programs keep
   enough loads in flight at decode sizes, where one program per pair would stream all of A
-  alone. Both launch under
-  Programmatic Dependent Launch: the shrink's launch overlaps the tail of the kernel before it
-  (it waits for that kernel before reading anything), and the expand grid starts while the
-  shrink runs, loads its B tile and output tile, and waits for the shrink only before it reads
-  the partials. (Decode sizes only: `moe_lora_op.PDL_MAX_PAIRS` says why.)
+  alone. At decode sizes both launch under Programmatic Dependent Launch (at prefill sizes
+  they do not: `moe_lora_op.PDL_MAX_PAIRS` says why): the shrink's launch overlaps the tail
+  of the kernel before it (it waits for that kernel before reading anything), and the expand
+  grid starts while the shrink runs, loads its B tile and output tile, and waits for the
+  shrink only before it reads the partials.
 - fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
   on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one
   gather of x rows (at prefill the gathered x rows are a third of the traffic).
@@ -199,6 +199,17 @@ def _load_prior(ptrs, mask, ADD_INPUTS: tl.constexpr):
 
 
 @triton.jit
+def _tile_inputs(b_base, offs_n, n_hi, tokens, tmask, col0, out_ptr, stride_bn, stride_br,
+                 stride_om, stride_on, BLOCK_R: tl.constexpr, RANK: tl.constexpr,
+                 ADD_INPUTS: tl.constexpr):  # fmt: skip
+    """What one output tile's add needs besides the rank-sized intermediate: B's tile, the
+    output tile's pointers and mask, and the prior values there."""
+    b = _load_b(b_base, offs_n, n_hi, stride_bn, stride_br, BLOCK_R, RANK)
+    ptrs, mask = _output_tile(tokens, tmask, offs_n, n_hi, col0, out_ptr, stride_om, stride_on)
+    return b, ptrs, mask, _load_prior(ptrs, mask, ADD_INPUTS)
+
+
+@triton.jit
 def _store_sum(acc, prior, weights, ptrs, mask, MUL_ROUTED_WEIGHT: tl.constexpr):
     """output tile = prior + acc (* routing weight); acc is (rows, BLOCK_N) fp32."""
     if MUL_ROUTED_WEIGHT:
@@ -361,14 +372,14 @@ def moe_lora_expand_kernel(
     offs_n = group * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
     col0 = col_offset + s * N
-    b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
     tmask = tokens < num_pairs
-    # The output tile and routing weights were written before the shrink let this grid launch
-    # (it first waits for the kernel before it), so they load before the wait too: the wait is
-    # then the only latency left between the shrink and the add.
-    out_ptrs, out_mask = _output_tile(tokens, tmask, offs_n, N, col0, out_ptr, stride_om,
-                                      stride_on)  # fmt: skip
-    prior = _load_prior(out_ptrs, out_mask, ADD_INPUTS)
+    # B, the output tile and the routing weights were written before the shrink let this grid
+    # launch (it first waits for the kernel before it), so they load before the wait too: the
+    # wait is then the only latency left between the shrink and the add.
+    b, out_ptrs, out_mask, prior = _tile_inputs(
+        b_base, offs_n, N, tokens, tmask, col0, out_ptr, stride_bn, stride_br, stride_om,
+        stride_on, BLOCK_R, RANK, ADD_INPUTS,
+    )  # fmt: skip
     weights = _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -387,10 +398,10 @@ def moe_lora_expand_kernel(
     for i in tl.static_range(TILES):
         if i + 1 < TILES:
             next_n = offs_n + BLOCK_N
-            next_b = _load_b(b_base, next_n, N, stride_bn, stride_br, BLOCK_R, RANK)
-            next_ptrs, next_mask = _output_tile(tokens, tmask, next_n, N, col0, out_ptr,
-                                                stride_om, stride_on)  # fmt: skip
-            next_prior = _load_prior(next_ptrs, next_mask, ADD_INPUTS)
+            next_b, next_ptrs, next_mask, next_prior = _tile_inputs(
+                b_base, next_n, N, tokens, tmask, col0, out_ptr, stride_bn, stride_br,
+                stride_om, stride_on, BLOCK_R, RANK, ADD_INPUTS,
+            )  # fmt: skip
         _store_sum(tl.dot(tmp, b), prior, weights, out_ptrs, out_mask, MUL_ROUTED_WEIGHT)
         if i + 1 < TILES:
             offs_n, b, out_ptrs, out_mask, prior = next_n, next_b, next_ptrs, next_mask, next_prior
@@ -512,7 +523,8 @@ def _expand_range(
     already in the output dtype (cast once, as vLLM does, not per N tile)."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        b = _load_b(b_base, offs_n, n_hi, stride_bn, stride_br, BLOCK_R, RANK)
-        ptrs, mask = _output_tile(tokens, tmask, offs_n, n_hi, col0, out_ptr, stride_om, stride_on)
-        prior = _load_prior(ptrs, mask, ADD_INPUTS)
+        b, ptrs, mask, prior = _tile_inputs(
+            b_base, offs_n, n_hi, tokens, tmask, col0, out_ptr, stride_bn, stride_br, stride_om,
+            stride_on, BLOCK_R, RANK, ADD_INPUTS,
+        )  # fmt: skip
         _store_sum(tl.dot(tmp, b), prior, weights, ptrs, mask, MUL_ROUTED_WEIGHT)
