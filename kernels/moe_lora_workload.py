@@ -159,10 +159,37 @@ def sets_needed(bytes_per_call: int) -> int:
 
 def time_per_call(calls: Sequence[Callable[[], None]], reps: int = 10, trials: int = 7) -> float:
     """Median microseconds per call, the calls captured in one CUDA graph and replayed."""
+    return time_interleaved([calls], reps, trials)[0]
+
+
+def time_interleaved(
+    call_lists: Sequence[Sequence[Callable[[], None]]], reps: int = 10, trials: int = 7
+) -> list[float]:
+    """Median microseconds per call of each list, each captured in its own CUDA graph. Every
+    trial replays the graphs in turn, so drift in clocks or in a neighbour's load lands on all
+    of them alike: a ratio of two medians taken this way is what the benchmarks report."""
+    graphs = [_capture(calls) for calls in call_lists]
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in graphs]
+    for _ in range(trials):
+        for graph, calls, out in zip(graphs, call_lists, times, strict=True):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) * 1000 / (reps * len(calls)))
+    return [statistics.median(t) for t in times]
+
+
+def _capture(calls: Sequence[Callable[[], None]]) -> torch.cuda.CUDAGraph:
+    """The calls in one CUDA graph, warmed up (compiles, cached pointer tables) outside it and
+    replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for call in calls:  # warm-up: compiles, caches pointer tables, outside the graph
+        for call in calls:
             call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -170,17 +197,7 @@ def time_per_call(calls: Sequence[Callable[[], None]], reps: int = 10, trials: i
         for call in calls:
             call()
     graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (reps * len(calls)))
-    return statistics.median(times)
+    return graph
 
 
 def copy_bandwidth(device: str = "cuda", nbytes: int = 2 * 2**30) -> float:

@@ -27,11 +27,16 @@ from .moe_lora_workload import (
     make_weights,
     naive_form,
     sets_needed,
+    time_interleaved,
     time_per_call,
 )
 
 # The split variant's fp32 workspace (slices x units x split x rows x rank) must stay modest.
 WORKSPACE_MAX_BYTES = 512 * 2**20
+# Candidates re-timed against each other before one is kept: those within this factor of the
+# fastest first timing, at most FINALISTS of them.
+FINALIST_MARGIN = 1.10
+FINALISTS = 4
 
 
 def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
@@ -39,7 +44,8 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
     K tiles and fewer stages (less shared memory, more programs per SM), and expands of half
     blocks over several N tiles. Split: 1 to 16 K ranges, for gate/up a shrink that does both
-    slices at the two smallest splits, and an expand over two N tiles.
+    slices at the two smallest splits (also with an expand over two N tiles), and an expand over
+    two N tiles at the largest split.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -76,6 +82,10 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     if slices == 2:  # gate and up from one gather of x: at prefill x is a third of the bytes
         out += [MoeLoraConfig("split", bk, bn, split_k=split, fuse_slices=True)
                 for split in splits[:2] for bn in (64, 128)]  # fmt: skip
+        # Half as many expand programs, each over two N tiles: GPT-OSS gate/up at 64 tokens
+        # (blocks of one or two pairs, 23 N tiles per slice) launched ~7,800 one-tile programs.
+        out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, expand_tiles=2)
+                for split in splits[:2]]  # fmt: skip
     return list(dict.fromkeys(out))
 
 
@@ -90,7 +100,8 @@ def shape_key(
 def tune_point(
     sets: list[dict], configs: list[MoeLoraConfig], block_m: int
 ) -> tuple[MoeLoraConfig, dict[MoeLoraConfig, float]]:
-    """Time every config on the same sets; return the fastest that agrees with the first."""
+    """Time every config on the same sets; return the fastest that agrees with the first (the
+    close ones timed again, interleaved)."""
     timings: dict[MoeLoraConfig, float] = {}
     outputs = [s["output"].clone() for s in sets]
 
@@ -109,7 +120,16 @@ def tune_point(
         if not err < 2e-2:
             raise AssertionError(f"config {cfg} disagrees with {configs[0]}: rel err {err:.2e}")
         timings[cfg] = time_per_call([functools.partial(call, cfg, s) for s in sets], 5, 3)
-    best = min(timings, key=timings.__getitem__)
+    # One short timing per candidate is noisy: a finalist within FINALIST_MARGIN of the fastest
+    # could have won as well, so the finalists run again, interleaved, and the medians decide.
+    fastest = min(timings.values())
+    finalists = sorted(
+        (c for c in timings if timings[c] <= fastest * FINALIST_MARGIN), key=timings.__getitem__
+    )[:FINALISTS]
+    if len(finalists) > 1:
+        calls = [[functools.partial(call, c, s) for s in sets] for c in finalists]
+        timings.update(zip(finalists, time_interleaved(calls, 5, 7), strict=True))
+    best = min(finalists, key=timings.__getitem__)
     return best, timings
 
 

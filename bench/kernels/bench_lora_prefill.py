@@ -9,9 +9,10 @@
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_lora_prefill.py --commit SHA --out DIR
 
 Batches are 16 requests in runs of equal length, round robin over 8 rank-32 adapter slots (the
-issue 6 workload's mapping). Times are medians per call in CUDA-graph replay; the dense floor is
-x read once plus y read and written once, over the copy rate measured in the same run. Writes
-JSON rows (machine, commit, config) and prints a table.
+issue 6 workload's mapping). Times are medians per call in CUDA-graph replay, ours and vLLM's
+replayed in turn (`time_interleaved`); the dense floor is x read once plus y read and written
+once, over the copy rate measured in the same run. Writes JSON rows (machine, commit, config)
+and prints a table.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_reference import sorted_form_size
-from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_per_call
+from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_interleaved
 
 SLOTS, RANK, REQUESTS = 8, 32, 16
 ROUTING = {"qwen3-30b-a3b": (128, 8), "gpt-oss-20b": (32, 4)}  # experts, top-k
@@ -86,7 +87,7 @@ def bench_align(name: str, tokens: int) -> dict:
             return torch.sort((group * (pairs + 1) + ids)[inside]).values
 
         agrees = torch.equal(grouped(theirs_out[0]), grouped(ours_out[0]))
-    vllm_us, ours_us = time_per_call([theirs]), time_per_call([ours])
+    vllm_us, ours_us = time_interleaved([[theirs], [ours]])
     return {"part": "align", "shape": name, "tokens": tokens, "block_m": block,
             "vllm_us": vllm_us, "ours_us": ours_us, "speedup": vllm_us / ours_us,
             "agrees_with_vllm": bool(agrees)}  # fmt: skip
@@ -118,7 +119,7 @@ def bench_dense(layer: str, tokens: int, bw: float) -> dict:
     theirs()
     ours()
     err = float((y_ours.float() - y_theirs.float()).norm() / y_theirs.float().norm())
-    vllm_us, ours_us = time_per_call([theirs]), time_per_call([ours])
+    vllm_us, ours_us = time_interleaved([[theirs], [ours]])
     floor_us = (x.numel() + 2 * y_ours.numel()) * 2 / bw * 1e6
     return {"part": "dense", "shape": layer, "tokens": tokens, "vllm_us": vllm_us,
             "ours_us": ours_us, "speedup": vllm_us / ours_us, "floor_us": floor_us,

@@ -5,10 +5,11 @@
 Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model shape, call (w13,
 w2) and batch, both ops get the same sets of inputs: vLLM's own routing metadata (its
 `moe_lora_align_block_size` CUDA op, its naive/sorted rule and its MoE-LoRA config, as
-`PunicaWrapperGPU.add_lora_w13` builds them). Times are medians per call in CUDA-graph replay
-(`moe_lora_workload.time_per_call`); "eager" is a plain Python loop of launches. The HBM floor is
-the adapter bytes the call must read once over the device-to-device copy rate measured in the
-same run. Writes JSON rows (machine, commit, config) and prints a table.
+`PunicaWrapperGPU.add_lora_w13` builds them). Times are medians per call in CUDA-graph replay,
+the two ops' graphs replayed in turn (`moe_lora_workload.time_interleaved`); "eager" is a plain
+Python loop of launches. The HBM floor is the adapter bytes the call must read once over the
+device-to-device copy rate measured in the same run. Writes JSON rows (machine, commit, config)
+and prints a table.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from loraplex.kernels.moe_lora_workload import (
     make_weights,
     naive_form,
     sets_needed,
-    time_per_call,
+    time_interleaved,
 )
 from loraplex.kernels.tune_moe_lora import candidates, tune_point
 
@@ -161,7 +162,7 @@ def bench_point(
     got = args[0]["output"].float()
     args[0]["output"].copy_(before)
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    vllm_us, ours_us = time_per_call(theirs), time_per_call(ours)
+    vllm_us, ours_us = time_interleaved([theirs, ours])
     served = cfg
     # Keep what wins (the plugin hands "stock" calls to vLLM's kernel), except at prefill sizes,
     # where vLLM's must win by STOCK_MARGIN_PREFILL: see its comment.
