@@ -36,6 +36,11 @@ import tomllib
 from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
 
 REPO = Path(__file__).resolve().parents[2]
+# Prefills timed back to back in each repetition; prefill_s is the first, which follows the
+# previous repetition's decode as in the rows before 0fc2782. The prefill walls of LoRA runs
+# varied by up to 23% between repetitions (0.506-0.623 s at c4be95d): the ones after it, and
+# the clock and power of each, say whether that is the decode before it or the GPU's state.
+PREFILLS_PER_REP = 3
 H, I_MOE, EXPERTS, TOPK, RANK = 2048, 768, 128, 8, 32
 
 
@@ -150,14 +155,19 @@ def run_workload(ns: argparse.Namespace) -> dict:
     warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
     llm.generate(prompts()[:2], warm, lora_request=lrs[:2] if lrs else None, use_tqdm=False)
     llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)  # loads every adapter
-    reps = []
+    reps: list[dict[str, Any]] = []
     for i in range(ns.reps):
-        t = time.time()
         # In vLLM's log format, so that its "JIT compilation during inference" lines from the
         # engine core can be placed in a repetition (slow ones came with such compiles).
         print(f"REP {i} starts {time.strftime('%m-%d %H:%M:%S')}", flush=True)
-        llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
-        prefill = time.time() - t
+        prefills: list[dict[str, float]] = []
+        for _ in range(PREFILLS_PER_REP):
+            batch = prompts()  # drawn before the clock starts: 25,600 randrange calls
+            with GpuClocks(interval_s=0.02) as prefill_clocks:
+                t = time.time()
+                llm.generate(batch, one, lora_request=lrs, use_tqdm=False)
+                prefills.append({"s": time.time() - t, **prefill_clocks.medians})
+        prefill = prefills[0]["s"]
         t = time.time()
         with GpuClocks() as clocks:
             outs = llm.generate(prompts(), full, lora_request=lrs, use_tqdm=False)
@@ -167,6 +177,7 @@ def run_workload(ns: argparse.Namespace) -> dict:
         reps.append(
             {
                 "prefill_s": prefill,
+                "prefills": prefills,
                 "total_s": total,
                 "out_tokens": tokens,
                 "otps_per_req": 599 / (total - prefill),
@@ -201,8 +212,11 @@ def run_workload(ns: argparse.Namespace) -> dict:
 
 class GpuClocks:
     """Median SM clock (MHz) and board power (W) of GPU 0 while the block runs, sampled by NVML
-    every 100 ms on a thread: kernels bound by latency rather than bytes slow down with the
-    clock, so a rep's speed is read beside the clock it ran at."""
+    every interval_s on a thread: kernels bound by latency rather than bytes slow down with the
+    clock, and a prefill can reach the power cap, so a speed is read beside the clock it ran at."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
 
     def __enter__(self) -> GpuClocks:
         import threading
@@ -219,7 +233,7 @@ class GpuClocks:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
 
         def sample() -> None:
-            while not self.done.wait(0.1):
+            while not self.done.wait(self.interval_s):
                 self.samples.append((
                     pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                     pynvml.nvmlDeviceGetPowerUsage(handle) / 1000,

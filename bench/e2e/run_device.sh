@@ -9,7 +9,9 @@
 # the Triton compiles vLLM's jit_monitor saw while serving; host-*: one repetition, then py-spy's
 # samples of 8 prefills and cProfile of 3 more, engine in process (where the host's time goes,
 # host_samples.py); serve-*: the same workload through
-# loraplex's HTTP server (serve_e2e.py; needs the server's wheels in /tmp/site).
+# loraplex's HTTP server (serve_e2e.py; carry .gpu/p6, the server's dependency wheels:
+# pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+# -d .gpu/p6 and the modules the loop below names).
 # JSON rows and one log per mode in $OUT.
 set -uo pipefail
 commit=$1
@@ -24,7 +26,15 @@ for mode in "$@"; do
           --install /tmp/site >>"$log" 2>&1
       done
       python3 bench/e2e/bench_e2e.py compare --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log" ;;
-    serve-*)
+    serve-*)  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
+      for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
+        botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
+        markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
+        dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
+        prometheus_client:prometheus_client; do
+        python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
+          --no-deps --target /tmp/site .gpu/p6/"${pair#*:}"-*.whl
+      done
       timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1 ;;
     host-*)  # py-spy's wheel carried in .gpu/p5 (the device has no network)
