@@ -44,8 +44,8 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
     K tiles and fewer stages (less shared memory, more programs per SM), and expands of half
     blocks over several N tiles. Split: 1 to 16 K ranges, for gate/up a shrink that does both
-    slices at the two smallest splits (also with an expand over two N tiles), and an expand over
-    two N tiles at the largest split.
+    slices at the two smallest splits (also with an expand over two N tiles), an expand over
+    two N tiles at the largest split, and expands of half blocks at the two smallest splits.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -79,6 +79,10 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
     out.append(MoeLoraConfig("split", bk, 128, split_k=splits[-1], expand_tiles=2))
+    # Sorted decode blocks hold one or two pairs in 32 or more rows: with two row parts the
+    # second part's programs leave at once (a04f9bf), and the first multiplies half the rows.
+    out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=slices == 2,
+                          expand_parts=2) for split in splits[:2]]  # fmt: skip
     if slices == 2:  # gate and up from one gather of x: at prefill x is a third of the bytes
         out += [MoeLoraConfig("split", bk, bn, split_k=split, fuse_slices=True)
                 for split in splits[:2] for bn in (64, 128)]  # fmt: skip
