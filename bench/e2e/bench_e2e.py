@@ -477,6 +477,10 @@ def main() -> None:
     # runs that differ only there can be told apart.
     if lora_env := {k: v for k, v in os.environ.items() if k.startswith("VLLM_LORA_")}:
         row["vllm_lora_env"] = lora_env
+    # The engine core in this process (host profiles, or set by hand to see whether requests
+    # reaching a separate engine core one by one split a prefill into more steps).
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        row["engine_in_process"] = True
     (ns.out / f"e2e_{ns.mode}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 
