@@ -36,10 +36,11 @@ import tomllib
 from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
 
 REPO = Path(__file__).resolve().parents[2]
-# Prefills timed back to back in each repetition; prefill_s is the first, which follows the
-# previous repetition's decode as in the rows before 0fc2782. The prefill walls of LoRA runs
-# varied by up to 23% between repetitions (0.506-0.623 s at c4be95d): the ones after it, and
-# the clock and power of each, say whether that is the decode before it or the GPU's state.
+# Prefills timed back to back in each repetition, each beside its clock and power; prefill_s is
+# the first, which follows the previous repetition's decode, as in rows measured before e266fa3.
+# On the H200 the walls spread 0.37-0.48 s (base) with vLLM's engine core in its own process,
+# back-to-back ones as much as first ones and at the same clock, and within 3% with the engine
+# core in this process (rows marked engine_in_process, 10ab1ef).
 PREFILLS_PER_REP = 3
 H, I_MOE, EXPERTS, TOPK, RANK = 2048, 768, 128, 8, 32
 
