@@ -11,6 +11,10 @@ op can be captured in CUDA graphs; grids depend on shapes only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -213,16 +217,91 @@ def fused_moe_lora(
         FUSE_SLICES=fuse_slices, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_kwargs,
     )  # fmt: skip
-    parts = _expand_parts(config, sorted_form, block_m)
-    groups = triton.cdiv(triton.cdiv(n, config.block_n), config.expand_tiles)
-    kt.moe_lora_expand_kernel[(num_units * parts * len(lora_a) * groups,)](
-        ws, b0, b1, out2d, topk_weights, *routing, n, *lengths, offset,
-        *b0.stride(), *out2d.stride(), stride_sl, stride_el,
-        SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad, BLOCK_R=block_r, RANK=rank,
-        BLOCK_N=config.block_n, SPLIT_K=split, WS_ROWS=ws_rows, SLICES=len(lora_a), PARTS=parts,
-        TILES=config.expand_tiles, MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs,
-        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=2, **pdl_kwargs,
+    expand = SplitExpand(
+        ws, b0, b1, out2d, topk_weights, routing, n, lengths, (stride_sl, stride_el), offset,
+        sorted_form, block_m, lora_pad, block_r, rank, config,
+        _expand_parts(config, sorted_form, block_m), ws_rows, mul_routed_weight, add_inputs,
+        use_pdl,
     )  # fmt: skip
+    sink = _deferred_gate_up.get()
+    if sink is not None and expand.is_gate_up():
+        sink.append(expand)
+        return
+    expand.launch()
+
+
+@dataclass(frozen=True)
+class SplitExpand:
+    """The expand half of a split launch, whose shrink has run: the partial products in `ws`
+    and everything the expand kernel reads besides. `launch()` adds the LoRA delta into the
+    output; `moe_lora_act.expand_silu_and_mul` instead adds it on the fly into a following
+    SiLU-and-mul and leaves the output as it was."""
+
+    ws: torch.Tensor  # (slices, units, split_k, ws_rows, block_r) fp32 partial products
+    b0: torch.Tensor
+    b1: torch.Tensor
+    out2d: torch.Tensor  # (pairs, columns) view of the op's output
+    topk_weights: torch.Tensor
+    routing: tuple[torch.Tensor, ...]  # sorted ids, expert ids, ntpp, tlm, lora_ids, enabled
+    n: int
+    lengths: tuple[int, ...]  # pairs, top_k, m blocks, em, units, lora_dim, slots
+    routing_strides: tuple[int, int]  # sorted_token_ids.stride(0), expert_ids.stride(0)
+    offset: int
+    sorted_form: bool
+    block_m: int
+    lora_pad: int
+    block_r: int
+    rank: int
+    config: MoeLoraConfig
+    parts: int
+    ws_rows: int
+    mul_routed_weight: bool
+    add_inputs: bool
+    use_pdl: bool
+
+    def is_gate_up(self) -> bool:
+        """A gate/up call as vLLM's fused experts make it: two slices side by side from column
+        0 of an output exactly as wide, added to, not scaled by the routing weights."""
+        two = self.ws.shape[0] == 2 and self.out2d.shape[1] == 2 * self.n
+        return two and self.offset == 0 and self.add_inputs and not self.mul_routed_weight
+
+    def launch(self) -> None:
+        slices = self.ws.shape[0]
+        num_units = self.lengths[4]
+        config = self.config
+        groups = triton.cdiv(triton.cdiv(self.n, config.block_n), config.expand_tiles)
+        pdl_kwargs = {"launch_pdl": True} if self.use_pdl else {}
+        kt.moe_lora_expand_kernel[(num_units * self.parts * slices * groups,)](
+            self.ws, self.b0, self.b1, self.out2d, self.topk_weights, *self.routing, self.n,
+            *self.lengths, self.offset, *self.b0.stride(), *self.out2d.stride(),
+            *self.routing_strides,
+            SORTED=self.sorted_form, BLOCK_M=self.block_m, LORA_PAD=self.lora_pad,
+            BLOCK_R=self.block_r, RANK=self.rank, BLOCK_N=config.block_n,
+            SPLIT_K=config.split_k, WS_ROWS=self.ws_rows, SLICES=slices, PARTS=self.parts,
+            TILES=config.expand_tiles, MUL_ROUTED_WEIGHT=self.mul_routed_weight,
+            ADD_INPUTS=self.add_inputs, USE_PDL=self.use_pdl, num_warps=config.num_warps,
+            num_stages=2, **pdl_kwargs,
+        )  # fmt: skip
+
+
+# Set only inside `defer_gate_up_expand()`. A context variable, not an argument: vLLM calls the
+# op through its own wrappers (PunicaWrapperGPU.add_lora_w13), whose signature we do not own.
+_deferred_gate_up: ContextVar[list[SplitExpand] | None] = ContextVar(
+    "loraplex_deferred_gate_up", default=None
+)
+
+
+@contextmanager
+def defer_gate_up_expand() -> Iterator[list[SplitExpand]]:
+    """Inside the block, a split gate/up call (`SplitExpand.is_gate_up`) runs its shrink only
+    and appends its expand to the yielded list, for the caller to launch or fuse; other calls
+    run whole. The output is not updated until the caller does one or the other."""
+    sink: list[SplitExpand] = []
+    token = _deferred_gate_up.set(sink)
+    try:
+        yield sink
+    finally:
+        _deferred_gate_up.reset(token)
 
 
 def _expand_parts(config: MoeLoraConfig, sorted_form: bool, block_m: int) -> int:

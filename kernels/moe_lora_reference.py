@@ -145,6 +145,27 @@ def fused_moe_lora_reference(
             out[f, cols] = (base + delta).to(out.dtype)
 
 
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """vLLM's `silu_and_mul` on (rows, 2N): SiLU(gate) * up per element, in float64; the first N
+    columns are the gate, the last N the up projection."""
+    n = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :n].double(), gate_up[:, n:].double()
+    return gate * torch.sigmoid(gate) * up
+
+
+def expand_silu_and_mul_reference(gate_up: torch.Tensor, **op_args: object) -> torch.Tensor:
+    """The spec of `moe_lora_act.expand_silu_and_mul`: SiLU-and-mul of the gate/up buffer after
+    the op (`fused_moe_lora_reference`) added its LoRA, without changing `gate_up`.
+
+    gate_up: (T, k, 2N), the op's `output`; op_args: the op's other arguments (two slices,
+    offset 0, add_inputs, no routing weight). In the sorted form every pair has an expert (no
+    expert map). Returns (T * k, N) float64.
+    """
+    updated = gate_up.double().clone()
+    fused_moe_lora_reference(updated, **op_args)  # type: ignore[arg-type]
+    return silu_and_mul_reference(updated.view(-1, updated.shape[-1]))
+
+
 def sorted_form_size(num_pairs: int, num_experts: int, block_size: int) -> tuple[int, int]:
     """(EM, blocks) of vLLM's sorted form per slot (`PunicaWrapperGPU.moe_lora_align_block_size`):
     EM = P + E * (block_size - 1), room for every expert group's padding, or P * block_size when

@@ -36,11 +36,14 @@ class MoeShape:
     inter: int
     experts: int
     top_k: int
+    # After gate/up: "silu" is SiLU-and-mul (the plugin fuses the LoRA into it), "swigluoai"
+    # GPT-OSS's clamped SwiGLU (left to vLLM).
+    activation: str
 
 
 SHAPES = {
-    "qwen3-30b-a3b": MoeShape("qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8),
-    "gpt-oss-20b": MoeShape("gpt-oss-20b", hidden=2880, inter=2880, experts=32, top_k=4),
+    "qwen3-30b-a3b": MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, activation="silu"),
+    "gpt-oss-20b": MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, activation="swigluoai"),
 }
 BATCHES = (1, 4, 16, 64, 256, 16 * 1600)
 

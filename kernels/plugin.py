@@ -13,7 +13,8 @@ and logs one line saying what it did:
   DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
   pairs on; and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
-  vLLM's waits for the device;
+  vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
+  inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads;
 - it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
   `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
@@ -392,6 +393,7 @@ def _patch() -> PluginState:
     from vllm.lora.ops.triton_ops import lora_expand_op, lora_shrink_op
 
     from .lora_mapping import update_metadata
+    from .moe_act_fusion import patch_triton_experts
 
     ours = _define_op(original)
     _define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
@@ -402,10 +404,11 @@ def _patch() -> PluginState:
     punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
+    patch_triton_experts()
     _patch_warm_up()
-    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora, add_lora_linear, "
-             "moe_lora_align_block_size and the LoRA batch metadata (pid %d)", version,
-             os.getpid())  # fmt: skip
+    log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
+             "fused into SiLU-and-mul), add_lora_linear, moe_lora_align_block_size and the LoRA "
+             "batch metadata (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 

@@ -27,9 +27,10 @@ from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
 from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
 from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
+from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, lookup, write_configs
-from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_workload import (
     BATCHES,
@@ -110,6 +111,54 @@ def vllm_call(args: dict, shrink: dict, expand: dict) -> None:
     )  # fmt: skip
 
 
+def with_activation(lora: functools.partial, out: torch.Tensor, fuse: bool) -> None:
+    """A gate/up call, then vLLM's SiLU-and-mul of its buffer into `out`, as vLLM's fused experts
+    run them; with `fuse`, our op's expand added inside the activation (`moe_act_fusion`)."""
+    gate_up = lora.keywords["output"].view(out.shape[0], -1)
+    if fuse:
+        with defer_gate_up_expand() as deferred:
+            lora()
+        if deferred:
+            expand_silu_and_mul(deferred[0], out)
+            return
+    else:
+        lora()
+    torch.ops._C.silu_and_mul(out, gate_up)
+
+
+def bench_activation(args: list[dict], theirs: list, ours: list) -> dict:
+    """The gate/up LoRA with the SiLU-and-mul after it: vLLM's op, ours, ours fused into it."""
+    tokens, top_k, width = args[0]["output"].shape
+    pairs = tokens * top_k
+    outs = [torch.empty(pairs, width // 2, dtype=a["output"].dtype, device="cuda") for a in args]
+    runs = {
+        name: [functools.partial(call, out) for call, out in zip(calls, outs, strict=True)]
+        for name, calls in (
+            ("vllm", [functools.partial(_vllm_then_act, c) for c in theirs]),
+            ("ours", [functools.partial(with_activation, c, fuse=False) for c in ours]),
+            ("fused", [functools.partial(with_activation, c, fuse=True) for c in ours]),
+        )
+    }
+    before = args[0]["output"].clone()
+    results = []
+    for name in ("ours", "fused"):
+        args[0]["output"].copy_(before)
+        runs[name][0]()
+        results.append(outs[0].float())
+    args[0]["output"].copy_(before)
+    err = float((results[1] - results[0]).norm() / results[0].norm().clamp_min(1e-30))
+    vllm_us, ours_us, fused_us = time_interleaved([runs["vllm"], runs["ours"], runs["fused"]])
+    return {"act_vllm_us": vllm_us, "act_ours_us": ours_us, "act_fused_us": fused_us,
+            "act_fused_vs_ours": ours_us / fused_us, "act_fused_vs_vllm": vllm_us / fused_us,
+            "act_fused_rel_err_vs_ours": err}  # fmt: skip
+
+
+def _vllm_then_act(lora: functools.partial, out: torch.Tensor) -> None:
+    lora()
+    gate_up = lora.args[0]["output"]
+    torch.ops._C.silu_and_mul(out, gate_up.view(out.shape[0], -1))
+
+
 def eager_per_call(calls: list, trials: int = 5) -> float:
     times = []
     for _ in range(trials):
@@ -172,7 +221,10 @@ def bench_point(
     if ns.tune:
         ns.tuned.setdefault(key.text(), {})[num_pairs] = served
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
-    return {
+    activation = (
+        bench_activation(args, theirs, ours) if op == "w13" and shape.activation == "silu" else {}
+    )
+    return activation | {
         "shape": shape.name, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
         "vllm_block_m": block_m, "sets": len(sets), "vllm_us": vllm_us, "ours_us": ours_us,
@@ -217,6 +269,11 @@ def main() -> None:
                       f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
                       f"floor {row['floor_us']:8.1f} ours/floor {row['ours_over_floor']:5.2f} "
                       f"err {row['rel_err_vs_vllm']:.1e}", flush=True)  # fmt: skip
+                if "act_fused_us" in row:
+                    print(f"{'':14s} +silu_and_mul  vllm {row['act_vllm_us']:9.1f} ours "
+                          f"{row['act_ours_us']:9.1f} fused {row['act_fused_us']:9.1f} "
+                          f"x{row['act_fused_vs_ours']:5.2f} vs ours "
+                          f"err {row['act_fused_rel_err_vs_ours']:.1e}", flush=True)  # fmt: skip
             del weights
             torch.cuda.empty_cache()
     if ns.tune:

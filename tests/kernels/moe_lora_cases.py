@@ -7,9 +7,11 @@ from typing import Any, Literal
 
 import torch
 
+from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
-from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_reference import (
+    expand_silu_and_mul_reference,
     fused_moe_lora_reference,
     moe_lora_align_reference,
     pairs_to_update,
@@ -131,11 +133,7 @@ def check_against_reference(
         args["output"].fill_(777.0)  # poison: every updated cell must be overwritten
         before.fill_(777.0)
     ref = before.double().cpu()
-    cpu_args: dict[str, Any] = {
-        k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items() if k != "output"
-    }
-    cpu_args["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
-    cpu_args["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
+    cpu_args = _cpu_args(args)
     common: dict[str, Any] = {"mul_routed_weight": case.mul_routed_weight, "offset": case.offset}
     fused_moe_lora_reference(
         ref, **cpu_args, block_size=case.block_m, add_inputs=case.add_inputs, **common
@@ -168,6 +166,42 @@ def check_against_reference(
     if not work:
         return 0.0
     return float((out - ref).norm() / delta.clamp_min(1e-12))
+
+
+def _cpu_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments but `output`, on the CPU (for the float64 reference)."""
+    cpu_args = {
+        k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items() if k != "output"
+    }
+    cpu_args["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
+    cpu_args["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
+    return cpu_args
+
+
+def check_expand_silu_and_mul(
+    case: Case, config: MoeLoraConfig, dtype: torch.dtype, device: str, seed: int
+) -> float:
+    """The gate/up op deferred (`defer_gate_up_expand`), then its expand fused into SiLU-and-mul,
+    against the spec; returns the relative error of the activation. The buffer must be left as
+    it was: the shrink alone does not touch it and the fused kernel only reads it. It is a view
+    of wider rows (make_inputs adds spare columns), as vLLM's strided buffers may be."""
+    assert case.slices == 2 and case.offset == 0 and case.add_inputs
+    assert not case.mul_routed_weight
+    args = make_inputs(case, dtype, device, seed)
+    gate_up = args["output"][..., : 2 * case.n]
+    args["output"] = gate_up
+    before = gate_up.clone()
+    want = expand_silu_and_mul_reference(before.cpu(), **_cpu_args(args), block_size=case.block_m)
+    with defer_gate_up_expand() as deferred:
+        fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=config)
+    assert len(deferred) == 1, "a split gate/up call must leave its expand"
+    assert torch.equal(gate_up, before), "the shrink alone changed the buffer"
+    out = torch.full((case.tokens * case.top_k, case.n), 777.0, dtype=dtype, device=device)
+    expand_silu_and_mul(deferred[0], out)
+    assert torch.equal(gate_up, before), "the fused kernel wrote the buffer"
+    got = out.double().cpu()
+    assert not torch.isnan(got).any()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
 def assert_same_groups(

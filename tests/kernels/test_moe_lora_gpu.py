@@ -11,11 +11,19 @@ from typing import Any
 
 import pytest
 import torch
-from moe_lora_cases import Case, check_against_reference, make_inputs, slowly_written
+from moe_lora_cases import (
+    Case,
+    check_against_reference,
+    check_expand_silu_and_mul,
+    make_inputs,
+    slowly_written,
+)
 
 from loraplex.kernels import moe_lora_triton as kt
+from loraplex.kernels.moe_lora_act import expand_silu_and_mul
+from loraplex.kernels.moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
-from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference, sorted_form_size
 
 pytestmark = pytest.mark.gpu
@@ -130,6 +138,63 @@ def test_expand_reads_the_output_only_after_the_kernel_before(sorted_form: bool)
     assert torch.equal(racing["output"], settled["output"])
 
 
+# Gate/up calls for the expand fused into SiLU-and-mul: decode (naive, under PDL) and sorted
+# blocks with pairs that have no adapter (the plain programs' rows).
+ACT_CASES = {
+    "qwen_t16_zipf_none": CASES["qwen_w13_t16_zipf_none"],
+    "qwen_t64_bm32": SORTED["qwen_w13_t64_bm32"],
+    "gptoss_t200_bm64_skew": SORTED["gptoss_w13_t200_bm64_skew"],
+    "t2048_k2_e16_r64_bm128_none": dataclasses.replace(
+        Case(2048, 2, 16, 64, 4, "skewed", no_adapter=0.1, k=512, n=200),
+        sorted_form=True,
+        block_m=128,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", [SPLIT, SPLIT_SLICES], ids=["split", "split_slices"])
+@pytest.mark.parametrize("name", sorted(ACT_CASES))
+def test_expand_silu_and_mul_matches_reference(
+    name: str, config: MoeLoraConfig, dtype: torch.dtype
+) -> None:
+    err = check_expand_silu_and_mul(ACT_CASES[name], config, dtype, "cuda", seed=len(name))
+    assert err < TOL, err
+
+
+def test_expand_silu_and_mul_reads_the_buffer_only_after_the_kernel_before() -> None:
+    """As the expand, the fused kernel loads the buffer before its PDL wait (decode sizes)."""
+    case = Case(16, 8, 128, 32, 8, "uniform", k=2048, n=768)
+    outs = []
+    for racy in (True, False):
+        args = make_inputs(case, torch.bfloat16, "cuda", seed=12)
+        buffer = args["output"][..., : 2 * case.n].contiguous()
+        rewrite = None
+        if racy:
+            buffer, rewrite = slowly_written(buffer)
+        args["output"] = buffer
+        out = torch.empty(case.tokens * case.top_k, case.n, dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
+        if rewrite is not None:
+            rewrite()
+        with defer_gate_up_expand() as deferred:
+            fused_moe_lora(**args, config=SPLIT)
+        expand_silu_and_mul(deferred[0], out)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_expand_silu_and_mul_compiles_once_across_batches() -> None:
+    counts = []
+    for tokens in (3, 5, 9):
+        case = Case(tokens, 8, 128, 32, 8, "uniform", k=2048, n=768)
+        assert check_expand_silu_and_mul(case, SPLIT, torch.bfloat16, "cuda", seed=tokens) < TOL
+        caches = moe_lora_expand_silu_and_mul_kernel.device_caches.values()
+        counts.append(sum(len(c[0]) for c in caches))
+    assert counts[0] == counts[1] == counts[2], counts
+
+
 def test_cuda_graph_replay_and_no_recompile_across_batches() -> None:
     """Captured in a graph, the op replays to the eager result; batch sizes 3, 5 and 9 share
     one compiled kernel per config (lengths are do_not_specialize)."""
@@ -172,6 +237,9 @@ def test_plugin_serves_vllm_calls_with_our_op() -> None:
     assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
     assert register(enabled=True) is PluginState.ALREADY
     assert punica_gpu.fused_moe_lora is torch.ops.loraplex.fused_moe_lora
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    assert getattr(TritonExperts.activation, "_loraplex", False)
     case = Case(4, 8, 128, 32, 8, "distinct", k=2048, n=768)
     ours = make_inputs(case, torch.bfloat16, "cuda", seed=9)
     theirs = make_inputs(case, torch.bfloat16, "cuda", seed=9)

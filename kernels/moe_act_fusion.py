@@ -1,0 +1,80 @@
+"""vLLM 0.26's `TritonExperts` with the gate/up LoRA expand fused into SiLU-and-mul.
+
+For a LoRA batch `TritonExperts.apply` (vllm/model_executor/layers/fused_moe/experts/
+triton_moe.py) runs the base gate/up GEMM into `intermediate_cache1`, then `apply_w13_lora`
+(the MoE-LoRA op, adding into that buffer), then `activation(intermediate_cache2,
+intermediate_cache1)`. With these two methods in place, `apply_w13_lora` runs the op's shrink
+only (`moe_lora_op.defer_gate_up_expand`) and `activation` adds the LoRA on the fly into
+SiLU-and-mul (`moe_lora_act.expand_silu_and_mul`): the buffer is read once, not read, written
+and read again.
+
+Everything else goes the stock way: subclasses of TritonExperts (their `apply` may differ),
+vLLM's dual-stream option (it asks for the delta alone, add_inputs=False), expert parallelism,
+swapped slices, calls our op declines (vLLM's kernel then adds as before), and activations other
+than plain SiLU, before which the deferred expand is launched unfused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .moe_lora_act import expand_silu_and_mul, fits
+from .moe_lora_op import SplitExpand, defer_gate_up_expand
+
+# The deferred expands, on the experts object between its two calls in one `apply`.
+PENDING = "_loraplex_pending_gate_up"
+
+
+def fused_methods(
+    experts_cls: type, apply_w13_lora: Callable[..., Any], activation: Callable[..., Any],
+    silu: object,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:  # fmt: skip
+    """(apply_w13_lora, activation) for `experts_cls`, wrapping its originals; `silu` is vLLM's
+    MoEActivation.SILU."""
+
+    def deferring_apply_w13_lora(
+        self: Any, lora_context: Any, *, add_inputs: bool = True, swap_w13_slices: bool = False,
+        expert_map: Any = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        self.__dict__.pop(PENDING, None)
+        call = {"add_inputs": add_inputs, "swap_w13_slices": swap_w13_slices,
+                "expert_map": expert_map, **kwargs}  # fmt: skip
+        stock_flow = type(self) is not experts_cls or swap_w13_slices or expert_map is not None
+        if stock_flow or not add_inputs:
+            return apply_w13_lora(self, lora_context, **call)
+        with defer_gate_up_expand() as deferred:
+            routing = apply_w13_lora(self, lora_context, **call)
+        if deferred:
+            self.__dict__[PENDING] = deferred
+        return routing
+
+    def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
+        pending: list[SplitExpand] = self.__dict__.pop(PENDING, [])
+        # SiLU with a clamp limit is another kernel; an unknown config is not taken as unclamped.
+        unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
+        if len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):
+            expand_silu_and_mul(pending[0], output)
+            return
+        for expand in pending:
+            expand.launch()
+        activation(self, kind, output, input, **kwargs)
+
+    deferring_apply_w13_lora._loraplex = True  # type: ignore[attr-defined]
+    fusing_activation._loraplex = True  # type: ignore[attr-defined]
+    return deferring_apply_w13_lora, fusing_activation
+
+
+def patch_triton_experts() -> bool:
+    """Put the two methods on vLLM's TritonExperts; False if they already are there."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    if getattr(TritonExperts.activation, "_loraplex", False):
+        return False
+    apply_w13_lora, activation = fused_methods(
+        TritonExperts, TritonExperts.apply_w13_lora, TritonExperts.activation, MoEActivation.SILU
+    )
+    TritonExperts.apply_w13_lora = apply_w13_lora  # type: ignore[method-assign]
+    TritonExperts.activation = activation  # type: ignore[method-assign]
+    return True
