@@ -15,12 +15,13 @@ from .moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
 from .moe_lora_op import SplitExpand
 
 # Launch shape in the sorted form (prefill), not the expand's config: rows per LoRA program,
-# N tile, warps and pairs per plain program. From a sweep on the H200 at 16 x 1600 tokens
-# (Qwen3-30B-A3B, 204,800 pairs; our expand alone 486 us, vLLM's silu_and_mul 217 us): with
-# every pair on LoRA, 16 rows x 128 columns on 8 warps took 562 us; the expand's own shape
-# (32 rows, 4 warps) 740 us, 64 rows 936 us. With no pair on LoRA, the plain programs at 32
-# pairs took 310-338 us, at 64 pairs 344-383 us. Decode (naive form) keeps the expand's config.
-SORTED_ROWS = 16
+# N tile, warps and pairs per plain program. From sweeps on the H200 at 16 x 1600 tokens
+# (Qwen3-30B-A3B, 204,800 pairs in blocks of 128; our expand alone 486 us, vLLM's silu_and_mul
+# 217 us): with every pair on LoRA, 32 rows x 128 columns on 8 warps took 562 us; 64 rows
+# (the expand's config) 740 us on 4 warps, 627 on 8; 128 rows 936; 16 rows 715. With no pair
+# on LoRA, the plain programs at 32 pairs took 310-338 us, at 64 pairs 344-383 us. Decode
+# (naive form) keeps the expand's config.
+SORTED_ROWS = 32
 SORTED_BLOCK_N = 128
 SORTED_WARPS = 8
 PLAIN_ROWS = 32
