@@ -430,16 +430,36 @@ def run_check(ns: argparse.Namespace) -> dict:
         {"prompt_token_ids": [rnd.randrange(10, 4000) for _ in range(32)]} for _ in range(4)
     ]
     lrs = [LoRARequest(f"a{i % 2}", i % 2 + 1, str(adapters[i % 2])) for i in range(4)]
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, detokenize=False)
     outs = llm.generate(prompts, greedy, lora_request=lrs, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        # Per position, the greedy token's logprob lead over the runner-up: how near a tie was.
+        "margins": [[_lead(step) for step in o.outputs[0].logprobs or []] for o in outs],
+    }
+
+
+def _lead(step: dict[int, Any]) -> float:
+    top = sorted((lp.logprob for lp in step.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
 def compare(out: Path) -> dict:
-    stock = json.loads((out / "e2e_check-stock.json").read_text())["tokens"]
+    """Whether the first 16 greedy tokens agree; where they do not, the position of the first
+    difference and the stock run's margin there (its top-1 over top-2 logprob), so that a flip
+    between near-tied tokens tells itself apart from a wrong kernel."""
+    stock_run = json.loads((out / "e2e_check-stock.json").read_text())
+    stock = stock_run["tokens"]
     plugin = json.loads((out / "e2e_check-plugin.json").read_text())["tokens"]
     same = [a[:16] == b[:16] for a, b in zip(stock, plugin, strict=True)]
-    return {"requests": len(same), "agree_first_16": sum(same), "stock": stock, "plugin": plugin}
+    differences = []
+    for i, (a, b) in enumerate(zip(stock, plugin, strict=True)):
+        at = next((j for j, (x, y) in enumerate(zip(a[:16], b[:16], strict=True)) if x != y), None)
+        if at is not None:
+            margin = stock_run.get("margins", [[]] * len(stock))[i][at]
+            differences.append({"request": i, "position": at, "stock_margin": margin})
+    return {"requests": len(same), "agree_first_16": sum(same), "differences": differences,
+            "stock": stock, "plugin": plugin}  # fmt: skip
 
 
 def main() -> None:
@@ -462,7 +482,8 @@ def main() -> None:
         print("plugin entry point in", install_entry_point(ns.install), flush=True)
     if ns.mode == "compare":
         result = compare(ns.out)
-        print("CHECK", json.dumps({k: result[k] for k in ("requests", "agree_first_16")}))
+        summary = ("requests", "agree_first_16", "differences")
+        print("CHECK", json.dumps({k: result[k] for k in summary}))
         (ns.out / "e2e_check.json").write_text(json.dumps(result) + "\n")
         return
     # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.plugin).
