@@ -60,21 +60,19 @@ def fused_methods(
             expand.launch()
         activation(self, kind, output, input, **kwargs)
 
-    deferring_apply_w13_lora._loraplex = True  # type: ignore[attr-defined]
-    fusing_activation._loraplex = True  # type: ignore[attr-defined]
+    fusing_activation._loraplex = True  # type: ignore[attr-defined]  # marks the patch as done
     return deferring_apply_w13_lora, fusing_activation
 
 
-def patch_triton_experts() -> bool:
-    """Put the two methods on vLLM's TritonExperts; False if they already are there."""
+def patch_triton_experts() -> None:
+    """Put the two methods on vLLM's TritonExperts, once."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
     if getattr(TritonExperts.activation, "_loraplex", False):
-        return False
+        return
     apply_w13_lora, activation = fused_methods(
         TritonExperts, TritonExperts.apply_w13_lora, TritonExperts.activation, MoEActivation.SILU
     )
     TritonExperts.apply_w13_lora = apply_w13_lora  # type: ignore[method-assign]
     TritonExperts.activation = activation  # type: ignore[method-assign]
-    return True

@@ -456,7 +456,7 @@ def compare(out: Path) -> dict:
     for i, (a, b) in enumerate(zip(stock, plugin, strict=True)):
         at = next((j for j, (x, y) in enumerate(zip(a[:16], b[:16], strict=True)) if x != y), None)
         if at is not None:
-            margin = stock_run.get("margins", [[]] * len(stock))[i][at]
+            margin = stock_run["margins"][i][at]
             differences.append({"request": i, "position": at, "stock_margin": margin})
     return {"requests": len(same), "agree_first_16": sum(same), "differences": differences,
             "stock": stock, "plugin": plugin}  # fmt: skip

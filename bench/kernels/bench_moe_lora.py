@@ -111,10 +111,12 @@ def vllm_call(args: dict, shrink: dict, expand: dict) -> None:
     )  # fmt: skip
 
 
-def with_activation(lora: functools.partial, out: torch.Tensor, fuse: bool) -> None:
-    """A gate/up call, then vLLM's SiLU-and-mul of its buffer into `out`, as vLLM's fused experts
-    run them; with `fuse`, our op's expand added inside the activation (`moe_act_fusion`)."""
-    gate_up = lora.keywords["output"].view(out.shape[0], -1)
+def with_activation(
+    lora: functools.partial, gate_up: torch.Tensor, out: torch.Tensor, fuse: bool = False
+) -> None:
+    """A gate/up call into `gate_up` (pairs, 2N), then vLLM's SiLU-and-mul of it into `out`, as
+    vLLM's fused experts run them; with `fuse`, our op's expand added inside the activation
+    (`moe_act_fusion`) where the op defers it."""
     if fuse:
         with defer_gate_up_expand() as deferred:
             lora()
@@ -130,15 +132,14 @@ def bench_activation(args: list[dict], theirs: list, ours: list) -> dict:
     """The gate/up LoRA with the SiLU-and-mul after it: vLLM's op, ours, ours fused into it."""
     tokens, top_k, width = args[0]["output"].shape
     pairs = tokens * top_k
-    outs = [torch.empty(pairs, width // 2, dtype=a["output"].dtype, device="cuda") for a in args]
-    runs = {
-        name: [functools.partial(call, out) for call, out in zip(calls, outs, strict=True)]
-        for name, calls in (
-            ("vllm", [functools.partial(_vllm_then_act, c) for c in theirs]),
-            ("ours", [functools.partial(with_activation, c, fuse=False) for c in ours]),
-            ("fused", [functools.partial(with_activation, c, fuse=True) for c in ours]),
-        )
-    }
+    buffers = [a["output"].view(pairs, width) for a in args]
+    outs = [torch.empty(pairs, width // 2, dtype=b.dtype, device="cuda") for b in buffers]
+
+    def calls(loras: list, fuse: bool) -> list:
+        return [functools.partial(with_activation, lora, buffer, out, fuse)
+                for lora, buffer, out in zip(loras, buffers, outs, strict=True)]  # fmt: skip
+
+    runs = {"vllm": calls(theirs, False), "ours": calls(ours, False), "fused": calls(ours, True)}
     before = args[0]["output"].clone()
     results = []
     for name in ("ours", "fused"):
@@ -151,12 +152,6 @@ def bench_activation(args: list[dict], theirs: list, ours: list) -> dict:
     return {"act_vllm_us": vllm_us, "act_ours_us": ours_us, "act_fused_us": fused_us,
             "act_fused_vs_ours": ours_us / fused_us, "act_fused_vs_vllm": vllm_us / fused_us,
             "act_fused_rel_err_vs_ours": err}  # fmt: skip
-
-
-def _vllm_then_act(lora: functools.partial, out: torch.Tensor) -> None:
-    lora()
-    gate_up = lora.args[0]["output"]
-    torch.ops._C.silu_and_mul(out, gate_up.view(out.shape[0], -1))
 
 
 def eager_per_call(calls: list, trials: int = 5) -> float:
