@@ -25,40 +25,6 @@ CONFIG_KEYS = frozenset(
 )  # fmt: skip
 
 
-GROUP = True
-
-
-def group_by_slot(
-    sorted_token_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor,
-    block_m: int,
-    experts: int,
-    lora: DownLora,
-) -> torch.Tensor:
-    """vLLM's expert sorting with each expert's pairs reordered by adapter slot (pairs without
-    one after them, the padding last), so that a block holds one slot or two, not every slot.
-
-    The GEMM's epilogue does one dot per slot in a block. vLLM's align places pairs with atomics
-    in no useful order: on the H200 at 25,600 tokens round robin over 8 adapters, its blocks
-    held 8.0 slots on average, and the down GEMM with the LoRA in its epilogue took 2,880 us
-    against 2,267 for vLLM's GEMM then our op. A row's result does not depend on its block, so
-    the order within an expert's blocks is free. Returns a new (EM,) int32 tensor.
-    """
-    num_pairs = lora.token_lora_mapping.numel() * lora.top_k
-    pairs = sorted_token_ids.long()
-    real = pairs < num_pairs
-    slots = lora.token_lora_mapping.long()[torch.where(real, pairs, 0) // lora.top_k]
-    slots = torch.where((slots >= 0) & (slots < lora.max_loras), slots, lora.max_loras)
-    slots = torch.where(real, slots, lora.max_loras + 1)
-    position = torch.arange(pairs.numel(), device=pairs.device)
-    expert = expert_ids.long().repeat_interleave(block_m)[: pairs.numel()]
-    keys = expert * (lora.max_loras + 2) + slots
-    keys = torch.where(position < num_tokens_post_padded.long(), keys,
-                       experts * (lora.max_loras + 2))  # fmt: skip
-    return sorted_token_ids[torch.sort(keys, stable=True).indices]
-
-
 def expert_gemm_with_lora(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -101,9 +67,6 @@ def expert_gemm_with_lora(
     if not CONFIG_KEYS.issuperset(config):
         raise ValueError(f"config {dict(config)} has keys beyond a CUDA fused-MoE config's")
     block_m, block_n = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]
-    if GROUP:
-        sorted_token_ids = group_by_slot(sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                         block_m, experts, lora)  # fmt: skip
     em = sorted_token_ids.numel()
     grid = (triton.cdiv(em, block_m) * triton.cdiv(n, block_n),)
     expert_gemm_with_lora_kernel[grid](

@@ -99,13 +99,22 @@ def expert_gemm_with_lora_kernel(
         acc += tl.dot(a, w)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         w_ptrs += BLOCK_SIZE_K * stride_wk
+    if MUL_ROUTED_WEIGHT:
+        weights = tl.load(topk_w_ptr + pairs, mask=pmask, other=0).to(tl.float32)
+    else:
+        weights = tl.full((BLOCK_SIZE_M,), 1.0, tl.float32)
+    out = (acc * weights[:, None]).to(c_ptr.dtype.element_ty)
+
     slots, covered = _pair_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
                                 lora_top_k, lora_dim, max_loras, True, LORA_PAD)  # fmt: skip
     offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    c_mask = pmask[:, None] & (offs_cn[None, :] < N)
     if tl.sum(covered.to(tl.int32), 0) > 0:
         offs_r = tl.arange(0, BLOCK_R)
         t = tl.load(t_ptr + pairs[:, None] * BLOCK_R + offs_r[None, :], mask=covered[:, None],
                     other=0.0)  # fmt: skip
+        delta = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
         left = covered
         for i in range(0, lora_dim):
             slot = tl.load(lora_ids_ptr + i)
@@ -113,12 +122,7 @@ def expert_gemm_with_lora_kernel(
             if tl.sum(mine.to(tl.int32), 0) > 0:
                 b_base = lora_b_ptr + slot.to(tl.int64) * stride_bl + expert * stride_be
                 b = _load_b(b_base, offs_cn, N, stride_bn, stride_br, BLOCK_R, RANK)
-                acc = tl.dot(tl.where(mine[:, None], t, 0.0), b, acc)
+                delta += tl.dot(tl.where(mine[:, None], t, 0.0), b)
                 left = left & ~mine  # a slot listed twice adds once
-    if MUL_ROUTED_WEIGHT:
-        weights = tl.load(topk_w_ptr + pairs, mask=pmask, other=0).to(tl.float32)
-        acc = acc * weights[:, None]
-    out = acc.to(c_ptr.dtype.element_ty)
-    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    c_mask = pmask[:, None] & (offs_cn[None, :] < N)
+        out = (delta * weights[:, None]).to(c_ptr.dtype.element_ty) + out
     tl.store(c_ptrs, out, mask=c_mask)

@@ -286,7 +286,7 @@ def test_down_gemm_with_lora_matches_vllm_gemm_then_op(dtype: torch.dtype) -> No
     fused_moe.invoke_fused_moe_triton_kernel(
         x, w2, out, None, None, weights, *routing, True, 1, cfg, compute_type=compute, **flags
     )
-    fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=FUSED, mul_routed_weight=True)
+    fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=FUSED)
     stock = out.clone()
     out.fill_(777.0)
     launched: list[bool] = []
@@ -296,8 +296,7 @@ def test_down_gemm_with_lora_matches_vllm_gemm_then_op(dtype: torch.dtype) -> No
         expert_gemm_with_lora(x, w2, out, weights, *routing, cfg, True, lora)
 
     with down_gemm_held(HeldDownGemm(out, launch)):
-        fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=FUSED,
-                       mul_routed_weight=True)  # fmt: skip
+        fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=FUSED)
     assert launched == [True]
     differ = (out != stock).float().mean().item()
     err = float((out.float() - stock.float()).norm() / stock.float().norm())
