@@ -20,7 +20,7 @@ stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float
 import triton
 import triton.language as tl
 
-from .moe_lora_triton import _BATCH_ARGS, _pair_lora, _resolve_unit, _slice_base, _tile_inputs
+from .moe_lora_triton import _BATCH_ARGS, _resolve_unit, _slice_base, _tile_inputs
 
 
 @triton.jit
@@ -29,6 +29,26 @@ def _silu_and_mul(gate, up):
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, top_k, lora_dim,
+              max_loras, SORTED: tl.constexpr, LORA_PAD: tl.constexpr):  # fmt: skip
+    """Whether a LoRA program covers each pair: the rule of `_resolve_unit`, per pair. Its
+    slot is loaded and enabled; in the sorted form the slot is among the active ids (the align
+    sorted all of an active slot's pairs), in the naive form the pair has an expert."""
+    slots = tl.load(tlm_ptr + pairs // top_k, mask=pmask, other=-1)
+    ok = pmask & (slots >= 0) & (slots < max_loras)
+    safe = tl.where(ok, slots, 0)
+    ok = ok & (tl.load(enabled_ptr + safe, mask=ok, other=0) != 0)
+    if SORTED:
+        offs = tl.arange(0, LORA_PAD)
+        ids = tl.load(lora_ids_ptr + offs, mask=offs < lora_dim, other=-1)
+        listed = tl.max((safe[:, None] == ids[None, :]).to(tl.int32), 1) != 0
+        ok = ok & listed
+    else:
+        ok = ok & (tl.load(expert_ids_ptr + pairs, mask=pmask, other=-1) >= 0)
+    return ok
 
 
 @triton.jit(do_not_specialize=[*_BATCH_ARGS, "lora_programs"])
@@ -82,8 +102,8 @@ def moe_lora_expand_silu_and_mul_kernel(
     if pid >= lora_programs:
         pairs = (pid - lora_programs) * PLAIN_ROWS + tl.arange(0, PLAIN_ROWS)
         pmask = pairs < num_pairs
-        _, covered = _pair_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
-                                top_k, lora_dim, max_loras, SORTED, LORA_PAD)  # fmt: skip
+        covered = _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
+                            top_k, lora_dim, max_loras, SORTED, LORA_PAD)  # fmt: skip
         plain = pmask & ~covered
         if tl.sum(plain.to(tl.int32), 0) == 0:
             return

@@ -11,7 +11,7 @@ op can be captured in CUDA graphs; grids depend on shapes only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -188,24 +188,6 @@ def fused_moe_lora(
     token_factor = 1 if mul_routed_weight else top_k_num
     fuse_slices = config.fuse_slices and len(lora_a) == 2  # one program does gate and up
     slice_programs = 1 if fuse_slices else len(lora_a)
-    held = _held_down_gemm.get()
-    if held is not None and not held.done:
-        takes = sorted_form and len(lora_a) == 1 and mul_routed_weight and add_inputs
-        if takes and offset == 0 and output.data_ptr() == held.output.data_ptr():
-            rows = torch.empty((num_pairs, block_r), dtype=output.dtype, device=x.device)
-            kt.moe_lora_shrink_kernel[(num_units, 1, 1)](
-                x, a0, a0, rows, *routing, k, *lengths,
-                x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
-                TOKEN_FACTOR=1, SORTED=True, BLOCK_M=block_m, LORA_PAD=lora_pad,
-                BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=1,
-                EVEN_K=k % config.block_k == 0, WS_ROWS=block_m, USE_PDL=False,
-                FUSE_SLICES=False, PAIR_ROWS=True, num_warps=config.num_warps,
-                num_stages=config.num_stages,
-            )  # fmt: skip
-            held.run(DownLora(rows, b0, token_lora_mapping, lora_ids, adapter_enabled, lora_dim,
-                              num_slots, top_k_num, rank, lora_pad))  # fmt: skip
-            return
-        held.run()
     if config.variant == "fused":
         grid = (num_units * config.npid, slice_programs)
         kt.moe_lora_fused_kernel[grid](
@@ -300,66 +282,6 @@ class SplitExpand:
             ADD_INPUTS=self.add_inputs, USE_PDL=self.use_pdl, num_warps=config.num_warps,
             num_stages=2, **pdl_kwargs,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DownLora:
-    """A down-projection LoRA call whose shrink has run, for the base GEMM to add in its
-    epilogue (`moe_down_lora.expert_gemm_with_lora`): each pair's x @ A.T and what says which
-    pairs have LoRA and on which slot."""
-
-    rows: torch.Tensor  # (pairs, block_r) in the output dtype; rows of pairs without LoRA unset
-    b: torch.Tensor  # (L, E, N, R)
-    token_lora_mapping: torch.Tensor
-    lora_ids: torch.Tensor
-    adapter_enabled: torch.Tensor
-    lora_dim: int  # active entries of lora_ids
-    max_loras: int
-    top_k: int
-    rank: int
-    lora_pad: int
-
-
-class HeldDownGemm:
-    """vLLM's base down GEMM, held back until the down LoRA call that adds to its `output`.
-    `run(lora)` launches it once: with the call's LoRA fused in, or with None (the call then
-    adds into its output as usual, so the GEMM must have written it first)."""
-
-    def __init__(self, output: torch.Tensor, launch: Callable[[DownLora | None], None]) -> None:
-        self.output = output
-        self._launch = launch
-        self.done = False
-
-    def run(self, lora: DownLora | None = None) -> None:
-        if not self.done:
-            self.done = True
-            self._launch(lora)
-
-
-_held_down_gemm: ContextVar[HeldDownGemm | None] = ContextVar(
-    "loraplex_held_down_gemm", default=None
-)
-
-
-@contextmanager
-def down_gemm_held(gemm: HeldDownGemm) -> Iterator[None]:
-    """Inside the block, the first MoE-LoRA call runs `gemm` before it adds anything: a sorted
-    down-projection call into `gemm.output` (one slice, routing weights, adding) runs its shrink
-    and hands it to `gemm.run`; any other call runs the GEMM plain first. On leaving, the GEMM
-    runs if no call did (vLLM skips the LoRA call when no token has an adapter)."""
-    token = _held_down_gemm.set(gemm)
-    try:
-        yield
-    finally:
-        _held_down_gemm.reset(token)
-        gemm.run()
-
-
-def run_held_down_gemm() -> None:
-    """Run the held GEMM now, if any: before vLLM's own MoE-LoRA kernel adds into its output."""
-    held = _held_down_gemm.get()
-    if held is not None:
-        held.run()
 
 
 # Set only inside `defer_gate_up_expand()`. A context variable, not an argument: vLLM calls the

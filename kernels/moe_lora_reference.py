@@ -166,61 +166,6 @@ def expand_silu_and_mul_reference(gate_up: torch.Tensor, **op_args: object) -> t
     return silu_and_mul_reference(updated.view(-1, updated.shape[-1]))
 
 
-def expert_gemm_with_lora_reference(
-    output: torch.Tensor,
-    w: torch.Tensor,
-    gemm_routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    gemm_block_size: int,
-    **op_args: object,
-) -> torch.Tensor:
-    """The spec of `moe_down_lora.expert_gemm_with_lora`: vLLM's down GEMM of the op's input
-    x = op_args["qcurr_hidden_states"] (P, K) into `output`, then the op's down LoRA
-    (`fused_moe_lora_reference` with op_args: one slice, routing weights, adding).
-
-    output: (T, k, N); w: (E, N, K); gemm_routing: vLLM's expert sorting for the GEMM
-    (`moe_align_reference`: sorted_token_ids (EM,), expert_ids (EM // gemm_block_size,),
-    num_tokens_post_padded (1,)), not the op's. Pairs in no block keep output's values. Returns
-    (T, k, N) float64; `output` is not changed.
-    """
-    sorted_token_ids, expert_ids, num_tokens_post_padded = gemm_routing
-    out = output.double().clone()
-    flat = out.view(-1, out.shape[-1])
-    x, weights = op_args["qcurr_hidden_states"], op_args["topk_weights"]
-    assert isinstance(x, torch.Tensor) and isinstance(weights, torch.Tensor)
-    for pos in range(int(num_tokens_post_padded.reshape(-1)[0])):
-        pair = int(sorted_token_ids[pos])
-        if pair < flat.shape[0]:
-            gemm = x[pair].double() @ w[int(expert_ids[pos // gemm_block_size])].double().T
-            flat[pair] = gemm * weights.reshape(-1)[pair].double()
-    fused_moe_lora_reference(out, **op_args, mul_routed_weight=True)  # type: ignore[arg-type]
-    return out
-
-
-def moe_align_reference(
-    topk_ids: torch.Tensor, num_experts: int, block_size: int, order: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's `moe_align_block_size` for the base GEMMs: (sorted_token_ids (EM,), expert_ids
-    (EM // block_size,), num_tokens_post_padded (1,)), pairs grouped by expert in ascending
-    order, each group padded to a multiple of block_size with P, EM = P + E x (block_size - 1)
-    rounded up to a block. Within a group pairs follow `order` (a permutation of the flat pair
-    ids; ascending if None): vLLM's CUDA op places them with atomics, in no fixed order."""
-    flat = topk_ids.reshape(-1).cpu().long()
-    num_pairs = flat.numel()
-    em = -(-(num_pairs + num_experts * (block_size - 1)) // block_size) * block_size
-    sorted_ids = torch.full((em,), num_pairs, dtype=torch.int32)
-    block_experts = torch.zeros(em // block_size, dtype=torch.int32)
-    order = torch.arange(num_pairs) if order is None else order.cpu().long()
-    pos = 0
-    for expert in range(num_experts):
-        mine = order[flat[order] == expert]
-        sorted_ids[pos : pos + mine.numel()] = mine.to(torch.int32)
-        padded = -(-mine.numel() // block_size) * block_size
-        block_experts[pos // block_size : (pos + padded) // block_size] = expert
-        pos += padded
-    dev = topk_ids.device
-    return sorted_ids.to(dev), block_experts.to(dev), torch.tensor([pos], dtype=torch.int32).to(dev)
-
-
 def sorted_form_size(num_pairs: int, num_experts: int, block_size: int) -> tuple[int, int]:
     """(EM, blocks) of vLLM's sorted form per slot (`PunicaWrapperGPU.moe_lora_align_block_size`):
     EM = P + E * (block_size - 1), room for every expert group's padding, or P * block_size when

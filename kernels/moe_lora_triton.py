@@ -102,27 +102,6 @@ def _resolve_unit(
 
 
 @triton.jit
-def _pair_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, top_k, lora_dim,
-               max_loras, SORTED: tl.constexpr, LORA_PAD: tl.constexpr):  # fmt: skip
-    """(slot, covered) per pair: whether a LoRA program covers it, the rule of `_resolve_unit`
-    per pair, and its slot (0 where not covered). Its slot is loaded and enabled; in the sorted
-    form the slot is among the active ids (the align sorted all of an active slot's pairs), in
-    the naive form the pair has an expert."""
-    slots = tl.load(tlm_ptr + pairs // top_k, mask=pmask, other=-1)
-    ok = pmask & (slots >= 0) & (slots < max_loras)
-    safe = tl.where(ok, slots, 0)
-    ok = ok & (tl.load(enabled_ptr + safe, mask=ok, other=0) != 0)
-    if SORTED:
-        offs = tl.arange(0, LORA_PAD)
-        ids = tl.load(lora_ids_ptr + offs, mask=offs < lora_dim, other=-1)
-        listed = tl.max((safe[:, None] == ids[None, :]).to(tl.int32), 1) != 0
-        ok = ok & listed
-    else:
-        ok = ok & (tl.load(expert_ids_ptr + pairs, mask=pmask, other=-1) >= 0)
-    return tl.where(ok, safe, 0), ok
-
-
-@triton.jit
 def _slice_base(ptr0, ptr1, s, slot, expert, stride_l, stride_e):
     base = ptr0
     if s == 1:
@@ -279,12 +258,9 @@ def moe_lora_shrink_kernel(
     WS_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
     FUSE_SLICES: tl.constexpr,
-    PAIR_ROWS: tl.constexpr = False,
 ):
     """ws[s, unit, ks, :WS_ROWS, :] = x[rows, K range ks] @ A[s][slot, expert][:, K range ks].T;
-    with FUSE_SLICES one program does both slices (grid axis 1 is 1) from one gather of x.
-    With PAIR_ROWS (one slice, SPLIT_K 1) ws is (pairs, BLOCK_R) in x's dtype instead, one row
-    per pair at the pair's id, rounded as the expand rounds the sum (`moe_down_lora`)."""
+    with FUSE_SLICES one program does both slices (grid axis 1 is 1) from one gather of x."""
     unit = tl.program_id(0)
     s = tl.program_id(1)
     ks = tl.program_id(2)
@@ -312,12 +288,8 @@ def moe_lora_shrink_kernel(
         stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_M, BLOCK_R, RANK, BLOCK_K, EVEN_K,
         FUSE_SLICES,
     )  # fmt: skip
-    offs_r = tl.arange(0, BLOCK_R)
-    if PAIR_ROWS:
-        ptrs = ws_ptr + tokens.to(tl.int64)[:, None] * BLOCK_R + offs_r[None, :]
-        tl.store(ptrs, acc.to(ws_ptr.dtype.element_ty), mask=tmask[:, None])
-        return
     offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
     row_mask = ((offs_m < WS_ROWS) & tmask)[:, None]
     cell = ((s * num_units + unit).to(tl.int64) * SPLIT_K + ks) * (WS_ROWS * BLOCK_R)
     ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]

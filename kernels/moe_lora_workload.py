@@ -95,17 +95,6 @@ def make_weights(
     return a, b
 
 
-def _draw_topk_ids(shape: MoeShape, tokens: int, gen: torch.Generator) -> torch.Tensor:
-    scores = torch.rand(tokens, shape.experts, generator=gen)
-    return scores.topk(shape.top_k, dim=1).indices.to(torch.int32)
-
-
-def set_topk_ids(shape: MoeShape, tokens: int, set_index: int) -> torch.Tensor:
-    """The (tokens, top_k) int32 experts of `make_set`'s set `set_index` (its routing encodes
-    them only for pairs with LoRA)."""
-    return _draw_topk_ids(shape, tokens, torch.Generator().manual_seed(1000 + set_index))
-
-
 def make_set(
     shape: MoeShape,
     spec: CallSpec,
@@ -123,7 +112,8 @@ def make_set(
     gen = torch.Generator().manual_seed(1000 + set_index)
     k = shape.top_k
     tlm = ((torch.arange(tokens) + set_index) % adapters).to(torch.int32)
-    topk_ids = _draw_topk_ids(shape, tokens, gen)
+    scores = torch.rand(tokens, shape.experts, generator=gen)
+    topk_ids = scores.topk(k, dim=1).indices.to(torch.int32)
     enabled = torch.ones(adapters + 1, dtype=torch.int32)
     lora_ids = torch.full((adapters + 1,), -1, dtype=torch.int32)
     active = torch.unique(tlm).to(torch.int32)

@@ -14,8 +14,7 @@ and logs one line saying what it did:
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
   pairs on; and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
-  inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
-  prefill the down LoRA inside the base down GEMM (`moe_down_fusion`), not into its output;
+  inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads;
 - it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
   `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
@@ -120,7 +119,7 @@ def _define_op(original: Callable[..., None]) -> Any:
     implementation, used for the calls ours does not cover. Defined once per process."""
     if hasattr(torch.ops.loraplex, "fused_moe_lora"):
         return torch.ops.loraplex.fused_moe_lora
-    from .moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora, run_held_down_gemm
+    from .moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora
 
     def op(
         output: torch.Tensor,
@@ -169,7 +168,6 @@ def _define_op(original: Callable[..., None]) -> Any:
         try:
             fused_moe_lora(*args)
         except UnsupportedMoeLoraCall:
-            run_held_down_gemm()  # vLLM's kernel adds into a GEMM's output: the GEMM goes first
             original(*args)
 
     return _register_op(OP_NAME, op, mutates_args=("output",))
@@ -396,7 +394,6 @@ def _patch() -> PluginState:
 
     from .lora_mapping import update_metadata
     from .moe_act_fusion import patch_triton_experts
-    from .moe_down_fusion import patch_down_gemm
 
     ours = _define_op(original)
     _define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
@@ -408,12 +405,10 @@ def _patch() -> PluginState:
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
     patch_triton_experts()
-    patch_down_gemm()
     _patch_warm_up()
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
-             "fused into SiLU-and-mul, its down LoRA into the down GEMM at prefill), "
-             "add_lora_linear, moe_lora_align_block_size and the LoRA batch metadata (pid %d)",
-             version, os.getpid())  # fmt: skip
+             "fused into SiLU-and-mul), add_lora_linear, moe_lora_align_block_size and the LoRA "
+             "batch metadata (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 

@@ -20,7 +20,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import vllm._custom_ops  # noqa: F401  (loads torch.ops._moe_C)
@@ -28,18 +27,10 @@ from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
 from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
 from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
-from loraplex.kernels.moe_down_fusion import MIN_PAIRS
-from loraplex.kernels.moe_down_lora import expert_gemm_with_lora
 from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, lookup, write_configs
-from loraplex.kernels.moe_lora_op import (
-    DownLora,
-    HeldDownGemm,
-    defer_gate_up_expand,
-    down_gemm_held,
-    fused_moe_lora,
-)
+from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_workload import (
     BATCHES,
@@ -50,7 +41,6 @@ from loraplex.kernels.moe_lora_workload import (
     make_set,
     make_weights,
     naive_form,
-    set_topk_ids,
     sets_needed,
     time_interleaved,
 )
@@ -164,77 +154,6 @@ def bench_activation(args: list[dict], theirs: list, ours: list) -> dict:
             "act_fused_rel_err_vs_ours": err}  # fmt: skip
 
 
-def bench_down_gemm(shape: MoeShape, tokens: int, args: list[dict], ours: list) -> dict:
-    """The down GEMM with the down LoRA after it, as vLLM's fused experts run them: vLLM's GEMM
-    alone, vLLM's GEMM then our op (adding into its output), and our GEMM with the LoRA in its
-    epilogue after the op's shrink (`moe_down_fusion`). vLLM's own config and expert sorting
-    (`moe_align_block_size`) for the GEMM, random w2; `down_slots_per_block` is the mean count
-    of adapter slots among a sorted block's pairs (the epilogue does one dot per slot)."""
-    import triton.language as tl
-    from vllm.model_executor.layers.fused_moe import fused_moe
-    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-
-    # vLLM 0.26's launcher; typed as Any, as mypy reads the CPU environment's newer vLLM.
-    invoke: Any = fused_moe.invoke_fused_moe_triton_kernel
-    try_get_optimal_moe_config = fused_moe.try_get_optimal_moe_config
-
-    e, hidden, inter, k = shape.experts, shape.hidden, shape.inter, shape.top_k
-    w2 = (torch.randn(e, hidden, inter, device="cuda") * inter**-0.5).to(torch.bfloat16)
-    cfg = try_get_optimal_moe_config((e, 2 * inter, hidden), tuple(w2.shape), k, None, tokens)
-    routings = [moe_align_block_size(set_topk_ids(shape, tokens, i).cuda(), cfg["BLOCK_SIZE_M"],
-                                     e) for i in range(len(args))]  # fmt: skip
-    flags = dict.fromkeys(("use_fp8_w8a8", "use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16",
-                           "per_channel_quant"), False)  # fmt: skip
-
-    def gemm(a: dict, routing: tuple) -> None:
-        invoke(
-            a["qcurr_hidden_states"], w2, a["output"], None, None, a["topk_weights"], *routing,
-            True, 1, cfg, compute_type=tl.bfloat16, **flags,
-        )  # fmt: skip
-
-    def unfused(a: dict, routing: tuple, lora: functools.partial) -> None:
-        gemm(a, routing)
-        lora()
-
-    def fused(a: dict, routing: tuple, lora: functools.partial) -> None:
-        def launch(down: DownLora | None) -> None:
-            if down is None:
-                gemm(a, routing)
-            else:
-                sorted_ids, expert_ids, ntpp = routing
-                expert_gemm_with_lora(a["qcurr_hidden_states"], w2, a["output"],
-                                      a["topk_weights"], sorted_ids, expert_ids, ntpp, cfg, True,
-                                      down)  # fmt: skip
-
-        held = HeldDownGemm(a["output"], launch)
-        with down_gemm_held(held):
-            lora()
-
-    runs = [[functools.partial(fn, a, r, lora) for a, r, lora in zip(args, routings, ours,
-                                                                       strict=True)]
-            for fn in (unfused, fused)]  # fmt: skip
-    gemm_only = [functools.partial(gemm, a, r) for a, r in zip(args, routings, strict=True)]
-    results = []
-    for run in runs:
-        run[0]()
-        results.append(args[0]["output"].float())
-    err = float((results[1] - results[0]).norm() / results[0].norm())
-    sorted_ids, _, ntpp = routings[0]
-    pairs = tokens * k
-    blocks = sorted_ids[: int(ntpp)].view(-1, cfg["BLOCK_SIZE_M"]).long()
-    slot_of = torch.where(blocks < pairs, args[0]["token_lora_mapping"].long()[blocks.clamp(
-        max=pairs - 1) // k], -1)  # fmt: skip
-    present = torch.zeros(blocks.shape[0], int(slot_of.max()) + 2, device="cuda")
-    present.scatter_(1, slot_of + 1, 1.0)
-    slots_per_block = float(present[:, 1:].sum(1).mean())
-    gemm_us, unfused_us, fused_us = time_interleaved([gemm_only, *runs])
-    return {"down_gemm_us": gemm_us, "down_unfused_us": unfused_us, "down_fused_us": fused_us,
-            "down_fused_vs_unfused": unfused_us / fused_us,
-            "down_lora_us_unfused": unfused_us - gemm_us, "down_lora_us_fused": fused_us - gemm_us,
-            "down_fused_rel_err_vs_unfused": err, "down_slots_per_block": slots_per_block,
-            "down_gemm_config": cfg}  # fmt: skip
-
-
 def eager_per_call(calls: list, trials: int = 5) -> float:
     times = []
     for _ in range(trials):
@@ -297,13 +216,10 @@ def bench_point(
     if ns.tune:
         ns.tuned.setdefault(key.text(), {})[num_pairs] = served
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
-    if op == "w13" and shape.activation == "silu":
-        extra = bench_activation(args, theirs, ours)
-    elif op == "w2" and sorted_form and tokens * shape.top_k >= MIN_PAIRS:
-        extra = bench_down_gemm(shape, tokens, args, ours)
-    else:
-        extra = {}
-    return extra | {
+    activation = (
+        bench_activation(args, theirs, ours) if op == "w13" and shape.activation == "silu" else {}
+    )
+    return activation | {
         "shape": shape.name, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
         "vllm_block_m": block_m, "sets": len(sets), "vllm_us": vllm_us, "ours_us": ours_us,
@@ -348,12 +264,6 @@ def main() -> None:
                       f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
                       f"floor {row['floor_us']:8.1f} ours/floor {row['ours_over_floor']:5.2f} "
                       f"err {row['rel_err_vs_vllm']:.1e}", flush=True)  # fmt: skip
-                if "down_fused_us" in row:
-                    print(f"{'':14s} down GEMM {row['down_gemm_us']:9.1f} +LoRA "
-                          f"{row['down_unfused_us']:9.1f} fused {row['down_fused_us']:9.1f} "
-                          f"x{row['down_fused_vs_unfused']:5.2f} slots/block "
-                          f"{row['down_slots_per_block']:4.1f} err "
-                          f"{row['down_fused_rel_err_vs_unfused']:.1e}", flush=True)  # fmt: skip
                 if "act_fused_us" in row:
                     print(f"{'':14s} +silu_and_mul  vllm {row['act_vllm_us']:9.1f} ours "
                           f"{row['act_ours_us']:9.1f} fused {row['act_fused_us']:9.1f} "

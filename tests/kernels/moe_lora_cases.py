@@ -72,13 +72,6 @@ def _topk_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
 
 def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict[str, Any]:
     """Random inputs for one call, scaled so that the LoRA delta is O(1) like the output."""
-    return make_inputs_and_routing(case, dtype, device, seed)[0]
-
-
-def make_inputs_and_routing(
-    case: Case, dtype: torch.dtype, device: str, seed: int
-) -> tuple[dict[str, Any], torch.Tensor]:
-    """`make_inputs`, and the (T, k) int32 experts of each token that its routing encodes."""
     gen = torch.Generator().manual_seed(seed)
     rows = case.tokens * case.top_k if case.mul_routed_weight else case.tokens
     num_slots = case.adapters
@@ -108,7 +101,7 @@ def make_inputs_and_routing(
     def put(t: torch.Tensor | None, dt: torch.dtype | None = None) -> torch.Tensor | None:
         return None if t is None else t.to(device=dev, dtype=dt or t.dtype)
 
-    args = {
+    return {
         "output": put(torch.randn(case.tokens, case.top_k, cols, generator=gen), dtype),
         "qcurr_hidden_states": put(torch.randn(rows, case.k, generator=gen), dtype),
         "lora_a_stacked": [put(t, dtype) for t in a],
@@ -124,7 +117,6 @@ def make_inputs_and_routing(
         "num_active_loras": torch.tensor([n_active], dtype=torch.int32),
         "adapter_enabled": put(enabled),
     }
-    return args, topk_ids
 
 
 def check_against_reference(
