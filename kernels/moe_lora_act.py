@@ -15,15 +15,18 @@ from .moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
 from .moe_lora_op import SplitExpand
 
 # Launch shape in the sorted form (prefill), not the expand's config: rows per LoRA program,
-# N tile, warps and pairs per plain program. From sweeps on the H200 at 16 x 1600 tokens
-# (Qwen3-30B-A3B, 204,800 pairs in blocks of 128; our expand alone 486 us, vLLM's silu_and_mul
-# 217 us): with every pair on LoRA, 32 rows x 128 columns on 8 warps took 562 us; 64 rows
-# (the expand's config) 740 us on 4 warps, 627 on 8; 128 rows 936; 16 rows 715. With no pair
-# on LoRA, the plain programs at 32 pairs took 310-338 us, at 64 pairs 344-383 us. Decode
+# N tile, N tiles per program, warps, and pairs per plain program. From sweeps on the H200 at
+# 16 x 1600 tokens (Qwen3-30B-A3B, 204,800 pairs in blocks of 128; vLLM's silu_and_mul alone
+# 217 us). One tile per program: 32 rows x 128 columns on 8 warps took 562 us; 64 rows 627;
+# 128 rows 936; 16 rows 715. Several tiles per program (bench/kernels sweep at 9,216 to 25,600
+# tokens, 41 shapes): 16 rows over all six 128-column tiles on 4 warps was fastest at every
+# size, 1.19-1.26x the one-tile 32-row shape (503 against 635 us at 25,600 tokens). With no
+# pair on LoRA, the plain programs at 32 pairs took 310-338 us, at 64 pairs 344-383 us. Decode
 # (naive form) keeps the expand's config.
-SORTED_ROWS = 32
+SORTED_ROWS = 16
 SORTED_BLOCK_N = 128
-SORTED_WARPS = 8
+SORTED_TILES = 6
+SORTED_WARPS = 4
 PLAIN_ROWS = 32
 
 
@@ -56,11 +59,13 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
             f"{expand.n}) {gate_up.dtype} for a gate/up expand into {tuple(gate_up.shape)}"
         )
     config = expand.config
-    parts, block_n, warps = expand.parts, config.block_n, config.num_warps
+    parts, block_n, warps, tiles = expand.parts, config.block_n, config.num_warps, 1
     if expand.sorted_form:
-        parts, block_n, warps = max(1, expand.block_m // SORTED_ROWS), SORTED_BLOCK_N, SORTED_WARPS
+        parts = max(1, expand.block_m // SORTED_ROWS)
+        block_n, warps, tiles = SORTED_BLOCK_N, SORTED_WARPS, SORTED_TILES
     num_pairs = expand.lengths[0]
-    lora_programs = expand.lengths[4] * parts * triton.cdiv(expand.n, block_n)
+    groups = triton.cdiv(triton.cdiv(expand.n, block_n), tiles)
+    lora_programs = expand.lengths[4] * parts * groups
     grid = (lora_programs + triton.cdiv(num_pairs, PLAIN_ROWS),)
     pdl_kwargs = {"launch_pdl": True} if expand.use_pdl else {}
     moe_lora_expand_silu_and_mul_kernel[grid](
@@ -69,7 +74,6 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
         *expand.routing_strides,
         SORTED=expand.sorted_form, BLOCK_M=expand.block_m, LORA_PAD=expand.lora_pad,
         BLOCK_R=expand.block_r, RANK=expand.rank, BLOCK_N=block_n, SPLIT_K=config.split_k,
-        WS_ROWS=expand.ws_rows, PARTS=parts, PLAIN_ROWS=PLAIN_ROWS, USE_PDL=expand.use_pdl,
-        num_warps=warps, num_stages=2,
-        **pdl_kwargs,
+        WS_ROWS=expand.ws_rows, PARTS=parts, TILES=tiles, PLAIN_ROWS=PLAIN_ROWS,
+        USE_PDL=expand.use_pdl, num_warps=warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip

@@ -7,8 +7,9 @@ the LoRA on chip and writes only the N activated columns. At a prefill of 16 x 1
 
 Its grid has two parts in one launch:
 - LoRA programs, laid out as `moe_lora_expand_kernel`'s with both slices in one program: they
-  sum the shrink's partials for gate and up, multiply by B's tiles, add to the buffer's tiles,
-  and write SiLU(gate) x up for their unit's rows;
+  sum the shrink's partials for gate and up, then for each of their TILES adjacent N tiles
+  multiply by B's tiles, add to the buffer's tiles, and write SiLU(gate) x up for their unit's
+  rows;
 - plain programs, PLAIN_ROWS pairs each over all of N: they write SiLU(gate) x up for the pairs
   no LoRA program covers (no adapter, a disabled or inactive slot, no expert) and leave at once
   where every pair has one, as in a batch where every request names an adapter.
@@ -49,6 +50,23 @@ def _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, 
     else:
         ok = ok & (tl.load(expert_ids_ptr + pairs, mask=pmask, other=-1) >= 0)
     return ok
+
+
+@triton.jit
+def _gate_up_tile(b_gate_base, b_up_base, offs_n, N, tokens, tmask, gate_up_ptr, stride_bn,
+                  stride_br, stride_gm, stride_gn, BLOCK_R: tl.constexpr,
+                  RANK: tl.constexpr):  # fmt: skip
+    """B's gate and up tiles at columns offs_n, the mask of the rows' tile there, and the
+    buffer's gate and up values (columns offs_n and N + offs_n)."""
+    b_gate, _, mask, gate = _tile_inputs(
+        b_gate_base, offs_n, N, tokens, tmask, 0, gate_up_ptr, stride_bn, stride_br, stride_gm,
+        stride_gn, BLOCK_R, RANK, True,
+    )  # fmt: skip
+    b_up, _, _, up = _tile_inputs(
+        b_up_base, offs_n, N, tokens, tmask, N, gate_up_ptr, stride_bn, stride_br, stride_gm,
+        stride_gn, BLOCK_R, RANK, True,
+    )  # fmt: skip
+    return b_gate, b_up, mask, gate, up
 
 
 @triton.jit(do_not_specialize=[*_BATCH_ARGS, "lora_programs"])
@@ -92,6 +110,7 @@ def moe_lora_expand_silu_and_mul_kernel(
     SPLIT_K: tl.constexpr,
     WS_ROWS: tl.constexpr,
     PARTS: tl.constexpr,
+    TILES: tl.constexpr,
     PLAIN_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -117,9 +136,9 @@ def moe_lora_expand_silu_and_mul_kernel(
             tl.store(out_rows + offs_n[None, :] * stride_on, _silu_and_mul(gate, up), mask=mask)
         return
     ROWS: tl.constexpr = BLOCK_M // PARTS
-    tiles = tl.cdiv(N, BLOCK_N)
-    tile = pid % tiles
-    rest = pid // tiles
+    groups = tl.cdiv(tl.cdiv(N, BLOCK_N), TILES)
+    group = pid % groups
+    rest = pid // groups
     part = rest % PARTS
     unit = rest // PARTS
     slot, expert, tokens, valid = _resolve_unit(
@@ -133,16 +152,14 @@ def moe_lora_expand_silu_and_mul_kernel(
     if PARTS > 1:  # noqa: SIM102  (as in moe_lora_expand_kernel: all-padding parts leave)
         if tl.sum(tmask.to(tl.int32), 0) == 0:
             return
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = group * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_gate_base = _slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be)
+    b_up_base = _slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be)
     # B and the buffer's tiles were written before the shrink let this grid launch (see
     # moe_lora_expand_kernel), so they load before the wait.
-    b_gate, _, mask, gate = _tile_inputs(
-        _slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be), offs_n, N, tokens,
-        tmask, 0, gate_up_ptr, stride_bn, stride_br, stride_gm, stride_gn, BLOCK_R, RANK, True,
-    )  # fmt: skip
-    b_up, _, _, up = _tile_inputs(
-        _slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be), offs_n, N, tokens,
-        tmask, N, gate_up_ptr, stride_bn, stride_br, stride_gm, stride_gn, BLOCK_R, RANK, True,
+    b_gate, b_up, mask, gate, up = _gate_up_tile(
+        b_gate_base, b_up_base, offs_n, N, tokens, tmask, gate_up_ptr, stride_bn, stride_br,
+        stride_gm, stride_gn, BLOCK_R, RANK,
     )  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -158,7 +175,21 @@ def moe_lora_expand_silu_and_mul_kernel(
         tmp_gate += tl.load(ptrs, mask=rows_mask, other=0.0)
         tmp_up += tl.load(ptrs + slice_cells, mask=rows_mask, other=0.0)
         ptrs += WS_ROWS * BLOCK_R
-    gate = tl.dot(tmp_gate.to(b_gate.dtype), b_gate).to(gate.dtype) + gate
-    up = tl.dot(tmp_up.to(b_up.dtype), b_up).to(up.dtype) + up
-    out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, _silu_and_mul(gate, up), mask=mask)
+    tmp_gate = tmp_gate.to(b_gate.dtype)
+    tmp_up = tmp_up.to(b_up.dtype)
+    out_rows = out_ptr + tokens.to(tl.int64)[:, None] * stride_om
+    # TILES adjacent N tiles per program: the partials above are read once for all of them, and
+    # each tile's inputs load before the previous tile's result is stored.
+    for i in tl.static_range(TILES):
+        if i + 1 < TILES:
+            next_n = offs_n + BLOCK_N
+            next_b_gate, next_b_up, next_mask, next_gate, next_up = _gate_up_tile(
+                b_gate_base, b_up_base, next_n, N, tokens, tmask, gate_up_ptr, stride_bn,
+                stride_br, stride_gm, stride_gn, BLOCK_R, RANK,
+            )  # fmt: skip
+        gate = tl.dot(tmp_gate, b_gate).to(gate.dtype) + gate
+        up = tl.dot(tmp_up, b_up).to(up.dtype) + up
+        tl.store(out_rows + offs_n[None, :] * stride_on, _silu_and_mul(gate, up), mask=mask)
+        if i + 1 < TILES:
+            offs_n, b_gate, b_up, mask = next_n, next_b_gate, next_b_up, next_mask
+            gate, up = next_gate, next_up

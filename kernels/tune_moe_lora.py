@@ -75,6 +75,11 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2, expand_tiles=4),
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=2),
             MoeLoraConfig("split", 64, 256, fuse_slices=both, expand_parts=2),
+            # Quarter-block programs over 8 or 16 N tiles: the H200's prefill winners for the
+            # Qwen3 down projection (447 and 286 us at 16,384 and 9,216 tokens, against 518
+            # and 322 for the fused variant's best; sweep in the message of this line's commit).
+            MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=8),
+            MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=16),
         ]
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
@@ -82,7 +87,8 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     # Sorted decode blocks hold one or two pairs in 32 or more rows: with two row parts the
     # second part's programs leave at once (a04f9bf), and the first multiplies half the rows.
     out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=slices == 2,
-                          expand_parts=2) for split in splits[:2]]  # fmt: skip
+                          expand_parts=2, expand_tiles=tiles)
+            for split in splits[:2] for tiles in (1, 2)]  # fmt: skip
     if slices == 2:  # gate and up from one gather of x: at prefill x is a third of the bytes
         out += [MoeLoraConfig("split", bk, bn, split_k=split, fuse_slices=True)
                 for split in splits[:2] for bn in (64, 128)]  # fmt: skip

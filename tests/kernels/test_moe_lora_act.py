@@ -13,6 +13,7 @@ import pytest
 import torch
 from moe_lora_cases import Case, check_expand_silu_and_mul, make_inputs
 
+from loraplex.kernels import moe_lora_act
 from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
@@ -49,6 +50,20 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name: str, dtype: torch.dtype, config: MoeLoraConfig) -> None:
     err = check_expand_silu_and_mul(CASES[name], config, dtype, DEVICE, seed=len(name))
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("tiles", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if CASES[n].sorted_form])
+def test_sorted_programs_over_several_n_tiles(
+    name: str, dtype: torch.dtype, tiles: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LoRA programs that walk several N tiles: with 32-column tiles, N = 100 takes four and
+    N = 48 two, so three tiles per program leave a group with masked-off tiles."""
+    monkeypatch.setattr(moe_lora_act, "SORTED_BLOCK_N", 32)
+    monkeypatch.setattr(moe_lora_act, "SORTED_TILES", tiles)
+    err = check_expand_silu_and_mul(CASES[name], SPLIT_PARTS, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
