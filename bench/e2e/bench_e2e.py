@@ -258,7 +258,7 @@ class GpuClocks:
 
 
 KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
-    ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused)_kernel$"),
+    ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused|expand_silu_and_mul)_kernel$"),
     ("dense_lora_ours", r"^lora_dense_(tiled_)?(shrink|expand)_kernel$"),
     ("moe_lora_align_ours", r"^_(count|layout|place)_kernel$"),
     ("moe_lora_vllm", r"fused_moe_lora"),
@@ -270,6 +270,7 @@ KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch th
 )
 
 
+GAP_US = 50.0  # GPU idle between kernels counted as a gap (launch-to-launch jitter is less)
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -282,7 +283,7 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
     import re
 
     totals: dict[str, float] = {}
-    kernels: list[tuple[float, float]] = []
+    kernels: list[tuple[float, float, str]] = []
     by_name: dict[str, list[float]] = {}
     ops: dict[Any, list[tuple[float, float, str]]] = {}
     syncs: list[tuple[Any, float, float, str]] = []
@@ -296,7 +297,7 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
             if cat == "kernel":
                 group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
                 totals[group] = totals.get(group, 0.0) + dur
-                kernels.append((ts, ts + dur))
+                kernels.append((ts, ts + dur, name))
                 by_name.setdefault(name, []).append(dur)
             elif cat == "cpu_op":
                 ops.setdefault(ev.get("tid"), []).append((ts, ts + dur, name))
@@ -309,12 +310,22 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
         name[:90]: [len(d) // steps, round(sum(d) / steps, 1), round(statistics.median(d), 2)]
         for name, d in top_names
     }
-    busy, end = 0.0, float("-inf")
-    for lo, hi in sorted(kernels):  # the union of kernel intervals
+    busy, end, last = 0.0, float("-inf"), ""
+    gaps: list[tuple[float, str, str]] = []  # (µs, kernel before, kernel after)
+    for lo, hi, name in sorted(kernels):  # the union of kernel intervals
+        if end > float("-inf") and lo - end > GAP_US:
+            gaps.append((lo - end, last, name))
         busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
-    span = (end - min(lo for lo, _ in kernels)) if kernels else 0.0
+        if hi >= end:
+            end, last = hi, name
+    span = (end - min(lo for lo, _, _ in kernels)) if kernels else 0.0
     per_step["gpu_idle_in_span"] = round((span - busy) / steps, 1)
+    per_step["gpu_gaps"] = {  # where the idle is: the largest gaps, with their neighbours
+        "over_us": GAP_US,
+        "count": len(gaps),
+        "total_us": round(sum(g for g, _, _ in gaps), 1),
+        "largest": [[round(g, 1), a[:60], b[:60]] for g, a, b in sorted(gaps, reverse=True)[:12]],
+    }
     for thread_ops in ops.values():
         thread_ops.sort(key=lambda op: (op[0], -op[1]))  # enclosing ops first
     by_caller: dict[str, list[float]] = {}
