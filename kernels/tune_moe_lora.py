@@ -77,7 +77,7 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
             MoeLoraConfig("split", 64, 256, fuse_slices=both, expand_parts=2),
             # Quarter-block programs over 8 or 16 N tiles: the H200's prefill winners for the
             # Qwen3 down projection (447 and 286 us at 16,384 and 9,216 tokens, against 518
-            # and 322 for the fused variant's best; sweep in the message of this line's commit).
+            # and 322 for the best fused variant, which then prefetched its next N tile).
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=8),
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=16),
         ]
