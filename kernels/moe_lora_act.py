@@ -18,11 +18,11 @@ from .moe_lora_op import SplitExpand
 # N tile, N tiles per program, warps, and pairs per plain program. From sweeps on the H200 at
 # 16 x 1600 tokens (Qwen3-30B-A3B, 204,800 pairs in blocks of 128; vLLM's silu_and_mul alone
 # 217 us). One tile per program: 32 rows x 128 columns on 8 warps took 562 us; 64 rows 627;
-# 128 rows 936; 16 rows 715. Several tiles per program (bench/kernels sweep at 9,216 to 25,600
-# tokens, 41 shapes): 16 rows over all six 128-column tiles on 4 warps was fastest at every
-# size, 1.19-1.26x the one-tile 32-row shape (503 against 635 us at 25,600 tokens). With no
-# pair on LoRA, the plain programs at 32 pairs took 310-338 us, at 64 pairs 344-383 us. Decode
-# (naive form) keeps the expand's config.
+# 128 rows 936; 16 rows 715. Several tiles per program (a one-off sweep of 41 shapes at 9,216
+# to 25,600 tokens, script not kept): 16 rows over all six 128-column tiles on 4 warps was
+# fastest at every size, 1.19-1.26x the one-tile 32-row shape (503 against 635 us at 25,600
+# tokens). With no pair on LoRA, the plain programs at 32 pairs took 310-338 us, at 64 pairs
+# 344-383 us. Decode (naive form) keeps the expand's config.
 SORTED_ROWS = 16
 SORTED_BLOCK_N = 128
 SORTED_TILES = 6
