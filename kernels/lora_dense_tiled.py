@@ -70,11 +70,11 @@ def lora_dense_tiled(
     a, b, widths = padded_slices(lora_a, lora_b)
     meta = (token_indices_sorted_by_lora_ids, lora_ids, num_tokens_per_lora, lora_token_start_loc)
     groups = {"GROUP_PAD": max(2, triton.next_power_of_2(num_groups)), "NUM_GROUPS": num_groups}
-    kt.lora_dense_tiled_shrink_kernel[(num_units, slices)](
+    kt.lora_dense_tiled_shrink_kernel[(num_units * slices,)](
         x, *a, mid, *meta, scale, k, num_tokens, num_units, lora_a[0].shape[0],
         x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
         BLOCK_M=BLOCK_M, BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        **groups, num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES,
+        SLICES=slices, **groups, num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES,
     )  # fmt: skip
     kt.lora_dense_tiled_expand_kernel[(num_units, triton.cdiv(max(widths), block_n), slices)](
         mid, *b, y, *meta, *widths, num_tokens, num_units, lora_b[0].shape[0],
