@@ -14,18 +14,20 @@ import triton
 from .moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
 from .moe_lora_op import SplitExpand
 
-# Launch shape in the sorted form (prefill), not the expand's config: rows per LoRA program,
-# N tile, N tiles per program, warps, and pairs per plain program. From sweeps on the H200 at
-# 16 x 1600 tokens (Qwen3-30B-A3B, 204,800 pairs in blocks of 128; vLLM's silu_and_mul alone
-# 217 us). One tile per program: 32 rows x 128 columns on 8 warps took 562 us; 64 rows 627;
-# 128 rows 936; 16 rows 715. Several tiles per program (a one-off sweep of 41 shapes at 9,216
-# to 25,600 tokens, script not kept): 16 rows over all six 128-column tiles on 4 warps was
-# fastest at every size, 1.19-1.26x the one-tile 32-row shape (503 against 635 us at 25,600
-# tokens). With no pair on LoRA, the plain programs at 32 pairs took 310-338 us, at 64 pairs
-# 344-383 us. Decode (naive form) keeps the expand's config.
-SORTED_ROWS = 16
+# Launch shape in the sorted form (prefill), not the expand's config: rows per chunk, N tile,
+# warps, and pairs per plain program. On the H200 (Qwen3-30B-A3B gate/up, 8 rank-32 slots in
+# vLLM's blocks of 128; vLLM's silu_and_mul alone 81, 140, 217 us at 9,216, 16,384 and 25,600
+# tokens), programs of one unit and N tile that chunk its rows took 152, 240 and 355 us with
+# 16-row chunks of 128 columns on 4 warps, against 205, 333 and 499 us for the earlier programs
+# of 16 rows over all six N tiles, each reading all of B. Of 21 other shapes none was faster
+# (times relative to it): 32-row chunks 1.2-1.6x, 64 rows 1.8-2.7x, 128 rows 3.3-3.9x; 32, 64
+# or 256 columns 1.42x, 1.01-1.07x, 1.09-1.15x; 2 warps 1.25-1.33x; 8 warps, 1 or 3 stages
+# within 0.3%; without the next chunk's prefetch 1.04-1.06x (a one-off sweep, not kept: its
+# rows are in this change's commit message). With no pair on LoRA,
+# the plain programs at 32 pairs took 310-338 us at 25,600 tokens, at 64 pairs 344-383 us.
+# Decode (naive form: one pair per unit) keeps the expand's N tile and warps.
+SORTED_CHUNK = 16
 SORTED_BLOCK_N = 128
-SORTED_TILES = 6
 SORTED_WARPS = 4
 PLAIN_ROWS = 32
 
@@ -59,13 +61,11 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
             f"{expand.n}) {gate_up.dtype} for a gate/up expand into {tuple(gate_up.shape)}"
         )
     config = expand.config
-    parts, block_n, warps, tiles = expand.parts, config.block_n, config.num_warps, 1
+    block_n, warps = config.block_n, config.num_warps
     if expand.sorted_form:
-        parts = max(1, expand.block_m // SORTED_ROWS)
-        block_n, warps, tiles = SORTED_BLOCK_N, SORTED_WARPS, SORTED_TILES
+        block_n, warps = SORTED_BLOCK_N, SORTED_WARPS
     num_pairs = expand.lengths[0]
-    groups = triton.cdiv(triton.cdiv(expand.n, block_n), tiles)
-    lora_programs = expand.lengths[4] * parts * groups
+    lora_programs = expand.lengths[4] * triton.cdiv(expand.n, block_n)
     grid = (lora_programs + triton.cdiv(num_pairs, PLAIN_ROWS),)
     pdl_kwargs = {"launch_pdl": True} if expand.use_pdl else {}
     moe_lora_expand_silu_and_mul_kernel[grid](
@@ -74,6 +74,6 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
         *expand.routing_strides,
         SORTED=expand.sorted_form, BLOCK_M=expand.block_m, LORA_PAD=expand.lora_pad,
         BLOCK_R=expand.block_r, RANK=expand.rank, BLOCK_N=block_n, SPLIT_K=config.split_k,
-        WS_ROWS=expand.ws_rows, PARTS=parts, TILES=tiles, PLAIN_ROWS=PLAIN_ROWS,
+        WS_ROWS=expand.ws_rows, CHUNK=min(SORTED_CHUNK, expand.block_m), PLAIN_ROWS=PLAIN_ROWS,
         USE_PDL=expand.use_pdl, num_warps=warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip

@@ -6,10 +6,12 @@ the LoRA on chip and writes only the N activated columns. At a prefill of 16 x 1
 (Qwen3-30B-A3B, 204,800 pairs x 1,536 columns) that is 1.26 GB less traffic per MoE layer.
 
 Its grid has two parts in one launch:
-- LoRA programs, laid out as `moe_lora_expand_kernel`'s with both slices in one program: they
-  sum the shrink's partials for gate and up, then for each of their TILES adjacent N tiles
-  multiply by B's tiles, add to the buffer's tiles, and write SiLU(gate) x up for their unit's
-  rows;
+- LoRA programs, one per (unit, N tile), both slices in one program: B's gate and up tiles
+  load once, then the unit's rows go by in chunks of CHUNK: the shrink's partials for gate and
+  up summed, multiplied by B, added to the buffer's tiles, SiLU(gate) x up written, the next
+  chunk's inputs loaded before this one's store. B is read once per unit and tile, not per
+  chunk: at 16 x 1600 tokens its tiles were 1.3 GB of L2 reads per layer when every 16-row
+  program read all of a slot-expert's B (`moe_lora_act` has the measurements);
 - plain programs, PLAIN_ROWS pairs each over all of N: they write SiLU(gate) x up for the pairs
   no LoRA program covers (no adapter, a disabled or inactive slot, no expert) and leave at once
   where every pair has one, as in a batch where every request names an adapter.
@@ -21,7 +23,7 @@ stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float
 import triton
 import triton.language as tl
 
-from .moe_lora_triton import _BATCH_ARGS, _resolve_unit, _slice_base, _tile_inputs
+from .moe_lora_triton import _BATCH_ARGS, _load_b, _locate_unit, _slice_base, _unit_rows
 
 
 @triton.jit
@@ -53,20 +55,31 @@ def _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, 
 
 
 @triton.jit
-def _gate_up_tile(b_gate_base, b_up_base, offs_n, N, tokens, tmask, gate_up_ptr, stride_bn,
-                  stride_br, stride_gm, stride_gn, BLOCK_R: tl.constexpr,
-                  RANK: tl.constexpr):  # fmt: skip
-    """B's gate and up tiles at columns offs_n, the mask of the rows' tile there, and the
-    buffer's gate and up values (columns offs_n and N + offs_n)."""
-    b_gate, _, mask, gate = _tile_inputs(
-        b_gate_base, offs_n, N, tokens, tmask, 0, gate_up_ptr, stride_bn, stride_br, stride_gm,
-        stride_gn, BLOCK_R, RANK, True,
-    )  # fmt: skip
-    b_up, _, _, up = _tile_inputs(
-        b_up_base, offs_n, N, tokens, tmask, N, gate_up_ptr, stride_bn, stride_br, stride_gm,
-        stride_gn, BLOCK_R, RANK, True,
-    )  # fmt: skip
-    return b_gate, b_up, mask, gate, up
+def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr,
+                  stride_gm, stride_gn, unit_ws, slice_cells, SORTED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                  SPLIT_K: tl.constexpr, WS_ROWS: tl.constexpr):  # fmt: skip
+    """What chunk c of a unit's rows needs at columns offs_n: its pair ids, the tile's mask, the
+    buffer's gate and up values there, and the shrink's partials for gate and up summed over
+    its K ranges. Chunks past the unit's rows load nothing."""
+    pairs = _unit_rows(slot, blk, c * CHUNK, sorted_ptr, num_pairs, em, stride_sl, SORTED,
+                       BLOCK_M, CHUNK)  # fmt: skip
+    pmask = pairs < num_pairs
+    mask = pmask[:, None] & (offs_n < N)[None, :]
+    rows = gate_up_ptr + pairs.to(tl.int64)[:, None] * stride_gm
+    gate = tl.load(rows + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
+    up = tl.load(rows + (N + offs_n)[None, :] * stride_gn, mask=mask, other=0.0)
+    offs_m = c * CHUNK + tl.arange(0, CHUNK)
+    offs_r = tl.arange(0, BLOCK_R)
+    rows_mask = ((offs_m < WS_ROWS) & pmask)[:, None]
+    ptrs = unit_ws + offs_m[:, None] * BLOCK_R + offs_r[None, :]
+    dgate = tl.zeros((CHUNK, BLOCK_R), dtype=tl.float32)
+    dup = tl.zeros((CHUNK, BLOCK_R), dtype=tl.float32)
+    for _ks in tl.static_range(SPLIT_K):
+        dgate += tl.load(ptrs, mask=rows_mask, other=0.0)
+        dup += tl.load(ptrs + slice_cells, mask=rows_mask, other=0.0)
+        ptrs += WS_ROWS * BLOCK_R
+    return pairs, mask, gate, up, dgate, dup
 
 
 @triton.jit(do_not_specialize=[*_BATCH_ARGS, "lora_programs"])
@@ -109,8 +122,7 @@ def moe_lora_expand_silu_and_mul_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     WS_ROWS: tl.constexpr,
-    PARTS: tl.constexpr,
-    TILES: tl.constexpr,
+    CHUNK: tl.constexpr,
     PLAIN_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -135,61 +147,44 @@ def moe_lora_expand_silu_and_mul_kernel(
             up = tl.load(rows + (N + offs_n)[None, :] * stride_gn, mask=mask, other=0.0)
             tl.store(out_rows + offs_n[None, :] * stride_on, _silu_and_mul(gate, up), mask=mask)
         return
-    ROWS: tl.constexpr = BLOCK_M // PARTS
-    groups = tl.cdiv(tl.cdiv(N, BLOCK_N), TILES)
-    group = pid % groups
-    rest = pid // groups
-    part = rest % PARTS
-    unit = rest // PARTS
-    slot, expert, tokens, valid = _resolve_unit(
-        unit, sorted_ptr, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr,
-        num_pairs, top_k, num_m_blocks, em, lora_dim, max_loras, stride_sl, stride_el,
-        part * ROWS, SORTED, BLOCK_M, ROWS, LORA_PAD,
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tile = pid % n_tiles
+    unit = pid // n_tiles
+    slot, blk, expert, valid = _locate_unit(
+        unit, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, top_k, num_m_blocks,
+        lora_dim, max_loras, stride_el, SORTED, BLOCK_M, LORA_PAD,
     )  # fmt: skip
     if valid == 0:
         return
-    tmask = tokens < num_pairs
-    if PARTS > 1:  # noqa: SIM102  (as in moe_lora_expand_kernel: all-padding parts leave)
-        if tl.sum(tmask.to(tl.int32), 0) == 0:
-            return
-    offs_n = group * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_gate_base = _slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be)
-    b_up_base = _slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be)
-    # B and the buffer's tiles were written before the shrink let this grid launch (see
-    # moe_lora_expand_kernel), so they load before the wait.
-    b_gate, b_up, mask, gate, up = _gate_up_tile(
-        b_gate_base, b_up_base, offs_n, N, tokens, tmask, gate_up_ptr, stride_bn, stride_br,
-        stride_gm, stride_gn, BLOCK_R, RANK,
-    )  # fmt: skip
+    # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
+    all_pairs = _unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
+                           BLOCK_M)  # fmt: skip
+    last = tl.max(tl.where(all_pairs < num_pairs, tl.arange(0, BLOCK_M), -1), 0)
+    chunks = tl.cdiv(last + 1, CHUNK)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    # B was written before the shrink let this grid launch (see moe_lora_expand_kernel), so its
+    # tiles load before the wait; they stay in registers for all of the unit's chunks.
+    b_gate = _load_b(_slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be), offs_n,
+                     N, stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
+    b_up = _load_b(_slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be), offs_n, N,
+                   stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    offs_m = part * ROWS + tl.arange(0, ROWS)
-    offs_r = tl.arange(0, BLOCK_R)
-    rows_mask = ((offs_m < WS_ROWS) & tmask)[:, None]
     slice_cells = num_units.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
-    ptrs = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
-    ptrs += offs_m[:, None] * BLOCK_R + offs_r[None, :]
-    tmp_gate = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
-    tmp_up = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
-    for _ks in tl.static_range(SPLIT_K):
-        tmp_gate += tl.load(ptrs, mask=rows_mask, other=0.0)
-        tmp_up += tl.load(ptrs + slice_cells, mask=rows_mask, other=0.0)
-        ptrs += WS_ROWS * BLOCK_R
-    tmp_gate = tmp_gate.to(b_gate.dtype)
-    tmp_up = tmp_up.to(b_up.dtype)
-    out_rows = out_ptr + tokens.to(tl.int64)[:, None] * stride_om
-    # TILES adjacent N tiles per program: the partials above are read once for all of them, and
-    # each tile's inputs load before the previous tile's result is stored.
-    for i in tl.static_range(TILES):
-        if i + 1 < TILES:
-            next_n = offs_n + BLOCK_N
-            next_b_gate, next_b_up, next_mask, next_gate, next_up = _gate_up_tile(
-                b_gate_base, b_up_base, next_n, N, tokens, tmask, gate_up_ptr, stride_bn,
-                stride_br, stride_gm, stride_gn, BLOCK_R, RANK,
-            )  # fmt: skip
-        gate = tl.dot(tmp_gate, b_gate).to(gate.dtype) + gate
-        up = tl.dot(tmp_up, b_up).to(up.dtype) + up
-        tl.store(out_rows + offs_n[None, :] * stride_on, _silu_and_mul(gate, up), mask=mask)
-        if i + 1 < TILES:
-            offs_n, b_gate, b_up, mask = next_n, next_b_gate, next_b_up, next_mask
-            gate, up = next_gate, next_up
+    unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
+    pairs, mask, gate, up, dgate, dup = _chunk_inputs(
+        0, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr, stride_gm,
+        stride_gn, unit_ws, slice_cells, SORTED, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
+    )  # fmt: skip
+    # Each chunk's inputs load before the previous chunk's result is stored.
+    for c in range(0, chunks):
+        next_inputs = _chunk_inputs(
+            c + 1, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr,
+            stride_gm, stride_gn, unit_ws, slice_cells, SORTED, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K,
+            WS_ROWS,
+        )  # fmt: skip
+        gate = tl.dot(dgate.to(b_gate.dtype), b_gate).to(gate.dtype) + gate
+        up = tl.dot(dup.to(b_up.dtype), b_up).to(up.dtype) + up
+        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, _silu_and_mul(gate, up), mask=mask)
+        pairs, mask, gate, up, dgate, dup = next_inputs

@@ -59,6 +59,41 @@ def _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim, max_loras,
 
 
 @triton.jit
+def _locate_unit(unit, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, top_k,
+                 num_m_blocks, lora_dim, max_loras, stride_el, SORTED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, LORA_PAD: tl.constexpr):  # fmt: skip
+    """(slot, block, expert, valid 0/1) of a unit: its sorted block, or in the naive form its
+    pair (block is the unit)."""
+    if SORTED:
+        slot, blk, valid = _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim,
+                                        max_loras, num_m_blocks, BLOCK_M, LORA_PAD)  # fmt: skip
+        expert = tl.load(expert_ids_ptr + slot * stride_el + blk)
+    else:
+        blk = unit
+        slot = tl.load(tlm_ptr + unit // top_k)
+        valid = (slot >= 0) & (slot < max_loras)
+        slot = tl.where(valid, slot, 0)
+        valid = valid & (tl.load(enabled_ptr + slot) != 0)
+        expert = tl.load(expert_ids_ptr + unit)
+    valid = valid & (expert >= 0)
+    return slot, blk, tl.where(valid, expert, 0), valid.to(tl.int32)
+
+
+@triton.jit
+def _unit_rows(slot, blk, row0, sorted_ptr, num_pairs, em, stride_sl, SORTED: tl.constexpr,
+               BLOCK_M: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Flat pair ids (ROWS,) of a located unit's rows row0 .. row0 + ROWS; ids >= num_pairs
+    pad, as do rows past the block. The naive form has one pair per unit, in row 0."""
+    offs = row0 + tl.arange(0, ROWS)
+    if SORTED:
+        pos = blk * BLOCK_M + offs
+        inside = (offs < BLOCK_M) & (pos < em)
+        return tl.load(sorted_ptr + slot * stride_sl + pos, mask=inside, other=num_pairs)
+    else:
+        return tl.where(offs == 0, blk, num_pairs)
+
+
+@triton.jit
 def _resolve_unit(
     unit,
     sorted_ptr,
@@ -81,24 +116,15 @@ def _resolve_unit(
     ROWS: tl.constexpr,
     LORA_PAD: tl.constexpr,
 ):
-    """(slot, expert, flat pair ids (ROWS,), valid 0/1) of a unit's rows row0 .. row0 + ROWS;
-    ids >= num_pairs pad. The naive form has one pair per unit, in row 0 (row0 is 0)."""
-    offs = tl.arange(0, ROWS)
-    if SORTED:
-        slot, blk, valid = _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim,
-                                        max_loras, num_m_blocks, BLOCK_M, LORA_PAD)  # fmt: skip
-        expert = tl.load(expert_ids_ptr + slot * stride_el + blk)
-        pos = blk * BLOCK_M + row0 + offs
-        tokens = tl.load(sorted_ptr + slot * stride_sl + pos, mask=pos < em, other=num_pairs)
-    else:
-        slot = tl.load(tlm_ptr + unit // top_k)
-        valid = (slot >= 0) & (slot < max_loras)
-        slot = tl.where(valid, slot, 0)
-        valid = valid & (tl.load(enabled_ptr + slot) != 0)
-        expert = tl.load(expert_ids_ptr + unit)
-        tokens = tl.where(offs == 0, unit, num_pairs)
-    valid = valid & (expert >= 0)
-    return slot, tl.where(valid, expert, 0), tokens, valid.to(tl.int32)
+    """(slot, expert, flat pair ids (ROWS,), valid 0/1) of a unit's rows row0 .. row0 + ROWS
+    (`_locate_unit`, then `_unit_rows`)."""
+    slot, blk, expert, valid = _locate_unit(
+        unit, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, top_k, num_m_blocks,
+        lora_dim, max_loras, stride_el, SORTED, BLOCK_M, LORA_PAD,
+    )  # fmt: skip
+    tokens = _unit_rows(slot, blk, row0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
+                        ROWS)  # fmt: skip
+    return slot, expert, tokens, valid
 
 
 @triton.jit

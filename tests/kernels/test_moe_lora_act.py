@@ -53,16 +53,17 @@ def test_matches_reference(name: str, dtype: torch.dtype, config: MoeLoraConfig)
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
-@pytest.mark.parametrize("tiles", [2, 3])
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name", [n for n in sorted(CASES) if CASES[n].sorted_form])
-def test_sorted_programs_over_several_n_tiles(
-    name: str, dtype: torch.dtype, tiles: int, monkeypatch: pytest.MonkeyPatch
+def test_sorted_programs_chunk_their_rows_over_n_tiles(
+    name: str, dtype: torch.dtype, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """LoRA programs that walk several N tiles: with 32-column tiles, N = 100 takes four and
-    N = 48 two, so three tiles per program leave a group with masked-off tiles."""
+    """LoRA programs of one unit and N tile walk the unit's rows in chunks. With 32-column tiles
+    N = 100 takes four (the last partial) and N = 48 two; 16-row chunks split a 32-row block
+    in two, of which the second may be all padding, and 32-row chunks are capped at the block."""
     monkeypatch.setattr(moe_lora_act, "SORTED_BLOCK_N", 32)
-    monkeypatch.setattr(moe_lora_act, "SORTED_TILES", tiles)
+    monkeypatch.setattr(moe_lora_act, "SORTED_CHUNK", chunk)
     err = check_expand_silu_and_mul(CASES[name], SPLIT_PARTS, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
