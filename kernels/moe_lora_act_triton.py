@@ -23,7 +23,15 @@ stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float
 import triton
 import triton.language as tl
 
-from .moe_lora_triton import _BATCH_ARGS, _load_b, _locate_unit, _slice_base, _unit_rows
+from .moe_lora_triton import (
+    _BATCH_ARGS,
+    _load_b,
+    _locate_unit,
+    _output_tile,
+    _slice_base,
+    _sum_partials,
+    _unit_rows,
+)
 
 
 @triton.jit
@@ -32,6 +40,22 @@ def _silu_and_mul(gate, up):
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn):
+    """The buffer's gate (columns offs_n) and up (columns N + offs_n) tiles of the pairs where
+    pmask (0 elsewhere)."""
+    gate_ptrs, mask = _output_tile(pairs, pmask, offs_n, N, 0, gate_up_ptr, stride_gm, stride_gn)
+    up_ptrs, _ = _output_tile(pairs, pmask, offs_n, N, N, gate_up_ptr, stride_gm, stride_gn)
+    return tl.load(gate_ptrs, mask=mask, other=0.0), tl.load(up_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_silu_and_mul(out_ptr, pairs, pmask, offs_n, N, gate, up, stride_om, stride_on):
+    """out[pairs, offs_n] = SiLU(gate) x up for the pairs where pmask."""
+    ptrs, mask = _output_tile(pairs, pmask, offs_n, N, 0, out_ptr, stride_om, stride_on)
+    tl.store(ptrs, _silu_and_mul(gate, up), mask=mask)
 
 
 @triton.jit
@@ -59,27 +83,17 @@ def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N,
                   stride_gm, stride_gn, unit_ws, slice_cells, SORTED: tl.constexpr,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
                   SPLIT_K: tl.constexpr, WS_ROWS: tl.constexpr):  # fmt: skip
-    """What chunk c of a unit's rows needs at columns offs_n: its pair ids, the tile's mask, the
+    """What chunk c of a unit's rows needs at columns offs_n: its pair ids and their mask, the
     buffer's gate and up values there, and the shrink's partials for gate and up summed over
     its K ranges. Chunks past the unit's rows load nothing."""
     pairs = _unit_rows(slot, blk, c * CHUNK, sorted_ptr, num_pairs, em, stride_sl, SORTED,
                        BLOCK_M, CHUNK)  # fmt: skip
     pmask = pairs < num_pairs
-    mask = pmask[:, None] & (offs_n < N)[None, :]
-    rows = gate_up_ptr + pairs.to(tl.int64)[:, None] * stride_gm
-    gate = tl.load(rows + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
-    up = tl.load(rows + (N + offs_n)[None, :] * stride_gn, mask=mask, other=0.0)
+    gate, up = _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn)
     offs_m = c * CHUNK + tl.arange(0, CHUNK)
-    offs_r = tl.arange(0, BLOCK_R)
-    rows_mask = ((offs_m < WS_ROWS) & pmask)[:, None]
-    ptrs = unit_ws + offs_m[:, None] * BLOCK_R + offs_r[None, :]
-    dgate = tl.zeros((CHUNK, BLOCK_R), dtype=tl.float32)
-    dup = tl.zeros((CHUNK, BLOCK_R), dtype=tl.float32)
-    for _ks in tl.static_range(SPLIT_K):
-        dgate += tl.load(ptrs, mask=rows_mask, other=0.0)
-        dup += tl.load(ptrs + slice_cells, mask=rows_mask, other=0.0)
-        ptrs += WS_ROWS * BLOCK_R
-    return pairs, mask, gate, up, dgate, dup
+    dgate = _sum_partials(unit_ws, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
+    dup = _sum_partials(unit_ws + slice_cells, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
+    return pairs, pmask, gate, up, dgate, dup
 
 
 @triton.jit(do_not_specialize=[*_BATCH_ARGS, "lora_programs"])
@@ -138,14 +152,10 @@ def moe_lora_expand_silu_and_mul_kernel(
         plain = pmask & ~covered
         if tl.sum(plain.to(tl.int32), 0) == 0:
             return
-        rows = gate_up_ptr + pairs.to(tl.int64)[:, None] * stride_gm
-        out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
         for n0 in range(0, N, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask = plain[:, None] & (offs_n < N)[None, :]
-            gate = tl.load(rows + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
-            up = tl.load(rows + (N + offs_n)[None, :] * stride_gn, mask=mask, other=0.0)
-            tl.store(out_rows + offs_n[None, :] * stride_on, _silu_and_mul(gate, up), mask=mask)
+            gate, up = _load_gate_up(gate_up_ptr, pairs, plain, offs_n, N, stride_gm, stride_gn)
+            _store_silu_and_mul(out_ptr, pairs, plain, offs_n, N, gate, up, stride_om, stride_on)
         return
     n_tiles = tl.cdiv(N, BLOCK_N)
     tile = pid % n_tiles
@@ -172,7 +182,7 @@ def moe_lora_expand_silu_and_mul_kernel(
         tl.extra.cuda.gdc_wait()
     slice_cells = num_units.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
-    pairs, mask, gate, up, dgate, dup = _chunk_inputs(
+    pairs, pmask, gate, up, dgate, dup = _chunk_inputs(
         0, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr, stride_gm,
         stride_gn, unit_ws, slice_cells, SORTED, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
     )  # fmt: skip
@@ -185,6 +195,5 @@ def moe_lora_expand_silu_and_mul_kernel(
         )  # fmt: skip
         gate = tl.dot(dgate.to(b_gate.dtype), b_gate).to(gate.dtype) + gate
         up = tl.dot(dup.to(b_up.dtype), b_up).to(up.dtype) + up
-        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, _silu_and_mul(gate, up), mask=mask)
-        pairs, mask, gate, up, dgate, dup = next_inputs
+        _store_silu_and_mul(out_ptr, pairs, pmask, offs_n, N, gate, up, stride_om, stride_on)
+        pairs, pmask, gate, up, dgate, dup = next_inputs

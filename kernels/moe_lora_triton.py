@@ -199,6 +199,23 @@ def _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R: tl.constexpr, RANK
 
 
 @triton.jit
+def _sum_partials(cell_ptr, offs_m, pmask, SPLIT_K: tl.constexpr, WS_ROWS: tl.constexpr,
+                  BLOCK_R: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """The shrink's partial products for rows offs_m of a workspace cell (SPLIT_K blocks of
+    WS_ROWS x BLOCK_R), summed over its K ranges in fp32. Only rows of real pairs (pmask) load:
+    sorted decode blocks hold one or two pairs in BLOCK_M rows, and reading the padding rows
+    would cost more than B itself."""
+    offs_r = tl.arange(0, BLOCK_R)
+    ptrs = cell_ptr + offs_m[:, None] * BLOCK_R + offs_r[None, :]
+    rows_mask = ((offs_m < WS_ROWS) & pmask)[:, None]
+    acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
+    for _ks in tl.static_range(SPLIT_K):
+        acc += tl.load(ptrs, mask=rows_mask, other=0.0)
+        ptrs += WS_ROWS * BLOCK_R
+    return acc
+
+
+@triton.jit
 def _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT: tl.constexpr):
     """The pairs' routing weights (fp32) where the op scales by them, else 1: loaded once per
     program, not per N tile (a gather of one scattered word per row each time)."""
@@ -414,17 +431,9 @@ def moe_lora_expand_kernel(
     weights = _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    offs_m = part * ROWS + tl.arange(0, ROWS)
-    offs_r = tl.arange(0, BLOCK_R)
     cell = (s * num_units + unit).to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
-    ptrs = ws_ptr + cell + offs_m[:, None] * BLOCK_R + offs_r[None, :]
-    # Only rows of real pairs: sorted decode blocks hold one or two pairs in BLOCK_M rows, and
-    # reading the padding rows would cost more than B itself.
-    rows_mask = ((offs_m < WS_ROWS) & tmask)[:, None]
-    tmp = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
-    for _ks in tl.static_range(SPLIT_K):
-        tmp += tl.load(ptrs, mask=rows_mask, other=0.0)
-        ptrs += WS_ROWS * BLOCK_R
+    offs_m = part * ROWS + tl.arange(0, ROWS)
+    tmp = _sum_partials(ws_ptr + cell, offs_m, tmask, SPLIT_K, WS_ROWS, BLOCK_R, ROWS)
     tmp = tmp.to(b.dtype)
     for i in tl.static_range(TILES):
         if i + 1 < TILES:
