@@ -12,6 +12,10 @@ Everything else goes the stock way: subclasses of TritonExperts (their `apply` m
 vLLM's dual-stream option (it asks for the delta alone, add_inputs=False), expert parallelism,
 swapped slices, calls our op declines (vLLM's kernel then adds as before), and activations other
 than plain SiLU, before which the deferred expand is launched unfused.
+
+At prefill sizes the down LoRA then starts right after the activation, on a side stream beside
+the base down GEMM, and `moe_sum` adds its delta (`moe_lora_side_stream`, which supplies the
+other two methods patched here, `apply_w2_lora` and `moe_sum`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from .moe_lora_act import expand_silu_and_mul, fits
 from .moe_lora_op import SplitExpand, defer_gate_up_expand
+from .moe_lora_side_stream import LAUNCHED, PLAN, drop_side, plan_down, side_methods, start_down
 
 # The deferred expands, on the experts object between its two calls in one `apply`.
 PENDING = "_loraplex_pending_gate_up"
@@ -28,16 +33,18 @@ PENDING = "_loraplex_pending_gate_up"
 
 def fused_methods(
     experts_cls: type, apply_w13_lora: Callable[..., Any], activation: Callable[..., Any],
-    silu: object,
-) -> tuple[Callable[..., Any], Callable[..., Any]]:  # fmt: skip
-    """(apply_w13_lora, activation) for `experts_cls`, wrapping its originals; `silu` is vLLM's
-    MoEActivation.SILU."""
+    apply_w2_lora: Callable[..., Any], moe_sum: Callable[..., Any], silu: object,
+) -> tuple[Callable[..., Any], ...]:  # fmt: skip
+    """(apply_w13_lora, activation, apply_w2_lora, moe_sum) for `experts_cls`, wrapping its
+    originals; `silu` is vLLM's MoEActivation.SILU."""
 
     def deferring_apply_w13_lora(
         self: Any, lora_context: Any, *, add_inputs: bool = True, swap_w13_slices: bool = False,
         expert_map: Any = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
         self.__dict__.pop(PENDING, None)
+        self.__dict__.pop(PLAN, None)
+        drop_side(self)
         call = {"add_inputs": add_inputs, "swap_w13_slices": swap_w13_slices,
                 "expert_map": expert_map, **kwargs}  # fmt: skip
         stock_flow = type(self) is not experts_cls or swap_w13_slices or expert_map is not None
@@ -47,6 +54,8 @@ def fused_methods(
             routing = apply_w13_lora(self, lora_context, **call)
         if deferred:
             self.__dict__[PENDING] = deferred
+        if plan := plan_down(lora_context, kwargs, routing):
+            self.__dict__[PLAN] = plan
         return routing
 
     def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
@@ -55,24 +64,29 @@ def fused_methods(
         unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
         if len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):
             expand_silu_and_mul(pending[0], output)
-            return
-        for expand in pending:
-            expand.launch()
-        activation(self, kind, output, input, **kwargs)
+        else:
+            for expand in pending:
+                expand.launch()
+            activation(self, kind, output, input, **kwargs)
+        plan = self.__dict__.pop(PLAN, None)
+        if plan is not None and (side := start_down(apply_w2_lora, self, plan, output)):
+            self.__dict__[LAUNCHED] = side
 
     fusing_activation._loraplex = True  # type: ignore[attr-defined]  # marks the patch as done
-    return deferring_apply_w13_lora, fusing_activation
+    return (deferring_apply_w13_lora, fusing_activation, *side_methods(apply_w2_lora, moe_sum))
 
 
 def patch_triton_experts() -> None:
-    """Put the two methods on vLLM's TritonExperts, once."""
+    """Put the four methods on vLLM's TritonExperts, once."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
     if getattr(TritonExperts.activation, "_loraplex", False):
         return
-    apply_w13_lora, activation = fused_methods(
-        TritonExperts, TritonExperts.apply_w13_lora, TritonExperts.activation, MoEActivation.SILU
-    )
-    TritonExperts.apply_w13_lora = apply_w13_lora  # type: ignore[method-assign]
-    TritonExperts.activation = activation  # type: ignore[method-assign]
+    methods = fused_methods(
+        TritonExperts, TritonExperts.apply_w13_lora, TritonExperts.activation,
+        TritonExperts.apply_w2_lora, TritonExperts.moe_sum, MoEActivation.SILU,
+    )  # fmt: skip
+    for name, method in zip(("apply_w13_lora", "activation", "apply_w2_lora", "moe_sum"),
+                            methods, strict=True):  # fmt: skip
+        setattr(TritonExperts, name, method)

@@ -259,6 +259,7 @@ class GpuClocks:
 
 KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
     ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused|expand_silu_and_mul)_kernel$"),
+    ("moe_sum_ours", r"^moe_sum_with_delta_kernel$"),
     ("dense_lora_ours", r"^lora_dense_(tiled_)?(shrink|expand)_kernel$"),
     ("moe_lora_align_ours", r"^_(count|layout|place)_kernel$"),
     ("moe_lora_vllm", r"fused_moe_lora"),
@@ -320,6 +321,8 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
             end, last = hi, name
     span = (end - min(lo for lo, _, _ in kernels)) if kernels else 0.0
     per_step["gpu_idle_in_span"] = round((span - busy) / steps, 1)
+    # Kernel time that ran beside other kernels (loraplex's side stream): all_kernels - busy.
+    per_step["kernels_overlapped"] = round((sum(totals.values()) - busy) / steps, 1)
     per_step["gpu_gaps"] = {  # where the idle is: the largest gaps, with their neighbours
         "over_us": GAP_US,
         "count": len(gaps),

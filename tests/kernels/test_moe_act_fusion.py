@@ -1,10 +1,14 @@
-"""`moe_act_fusion`'s two methods on a stand-in for vLLM 0.26's TritonExperts (the CPU's vLLM is
+"""`moe_act_fusion`'s four methods on a stand-in for vLLM 0.26's TritonExperts (the CPU's vLLM is
 0.32, whose experts differ). The stand-in's methods do what TritonExperts' originals do with the
-same tensors: `apply_w13_lora` calls our op on the gate/up buffer, as PunicaWrapperGPU does, and
-`activation` is SiLU-and-mul (or GELU-and-mul). The kernels are the real ones, interpreted."""
+same tensors: `apply_w13_lora` and `apply_w2_lora` call our op on the gate/up and the down
+buffers, as PunicaWrapperGPU does; `activation` is SiLU-and-mul (or GELU-and-mul); `moe_sum`
+sums each token's experts. `_apply` calls them in `TritonExperts.apply`'s order. The kernels are
+the real ones, interpreted; on the CPU the down LoRA's "side stream" is the current one, in
+order (test_moe_lora_gpu.py runs it on a real second stream)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any
 
@@ -12,6 +16,7 @@ import pytest
 import torch
 from moe_lora_cases import Case, make_inputs
 
+from loraplex.kernels import moe_lora_side_stream
 from loraplex.kernels.moe_act_fusion import PENDING, fused_methods
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import fused_moe_lora
@@ -19,6 +24,7 @@ from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference
 
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2)
 CASE = Case(6, 2, 8, 16, 3, "uniform", no_adapter=0.3)
+HIDDEN = 40  # the down projection's output width
 
 
 class Act(enum.Enum):
@@ -30,19 +36,36 @@ class QuantConfig:
     gemm1_clamp_limit: float | None = None
 
 
+@dataclasses.dataclass
+class LoraContext:
+    """The fields of vLLM's MoELoRAContext that the methods read."""
+
+    adapter_enabled: torch.Tensor
+    max_loras: int
+    fully_sharded: bool = False
+    aux_stream: Any = None
+
+
 class StockExperts:
-    """TritonExperts' two methods as its `apply` calls them, recording the activations run."""
+    """TritonExperts' LoRA methods as its `apply` calls them, recording what ran."""
 
-    def __init__(self, op_args: dict[str, Any]) -> None:
+    def __init__(self, w13_args: dict[str, Any], w2_weights: tuple[torch.Tensor, torch.Tensor]):
         self.quant_config = QuantConfig()
-        self.op_args = op_args
+        self.w13_args = w13_args
+        self.w2_weights = w2_weights
         self.activations: list[Act] = []
+        self.down_calls: list[tuple[bool, torch.Tensor]] = []  # (add_inputs, y) per call
+        self.down_streams: list[Any] = []  # the CUDA stream each down call ran on
+        self.sums = 0
 
-    def apply_w13_lora(self, lora_context: Any, *, y: torch.Tensor, **kwargs: Any) -> str:
-        del lora_context
-        fused_moe_lora(y, **self.op_args, shrink_block_size_m=16, config=SPLIT,
-                       add_inputs=kwargs["add_inputs"])  # fmt: skip
-        return "routing"
+    def apply_w13_lora(self, lora_context: Any, *, y: torch.Tensor, add_inputs: bool,
+                       **kwargs: Any) -> tuple[Any, ...]:  # fmt: skip
+        del lora_context, kwargs
+        fused_moe_lora(y, **self.w13_args, shrink_block_size_m=16, config=SPLIT,
+                       add_inputs=add_inputs)  # fmt: skip
+        args = self.w13_args
+        return (args["sorted_token_ids"], args["expert_ids"], args["num_tokens_post_padded"],
+                args["token_lora_mapping"])  # fmt: skip
 
     def activation(self, kind: Act, output: torch.Tensor, input: torch.Tensor) -> None:
         self.activations.append(kind)
@@ -50,70 +73,201 @@ class StockExperts:
         act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
         output.copy_(act(gate) * up)
 
+    def apply_w2_lora(
+        self, lora_context: Any, *, y: torch.Tensor, x: torch.Tensor,
+        topk_weights: torch.Tensor, sorted_token_ids_lora: Any, expert_ids_lora: Any,
+        num_tokens_post_padded_lora: Any, token_lora_mapping: torch.Tensor, num_tokens: int,
+        w1: Any, w2: Any, top_k_num: int, add_inputs: bool = True,
+    ) -> None:  # fmt: skip
+        del num_tokens, w1, w2
+        self.down_calls.append((add_inputs, y))
+        if not add_inputs:
+            y.fill_(float("nan"))  # poison: rows the op skips must not reach the sum
+        if y.is_cuda:
+            self.down_streams.append(torch.cuda.current_stream())
+            torch.cuda._sleep(50_000_000)  # ~25 ms: a moe_sum that did not wait would see NaN
+        args = self.w13_args
+        fused_moe_lora(
+            y, x, [self.w2_weights[0]], [self.w2_weights[1]], topk_weights,
+            sorted_token_ids_lora, expert_ids_lora, num_tokens_post_padded_lora,
+            token_lora_mapping, CASE.rank, top_k_num, args["lora_ids"], args["num_active_loras"],
+            lora_context.adapter_enabled, shrink_block_size_m=16, config=SPLIT,
+            mul_routed_weight=True, add_inputs=add_inputs,
+        )  # fmt: skip
+
+    def moe_sum(self, input: torch.Tensor, output: torch.Tensor) -> None:
+        self.sums += 1
+        output.copy_(input.sum(dim=1))
+
 
 @pytest.fixture
 def classes() -> tuple[type[StockExperts], type[StockExperts]]:
     """(the patched class, a subclass of it), patched as `patch_triton_experts` does."""
     experts = type("Experts", (StockExperts,), {})
-    apply_w13_lora, activation = fused_methods(
-        experts, StockExperts.apply_w13_lora, StockExperts.activation, Act.SILU
-    )
-    experts.apply_w13_lora = apply_w13_lora  # type: ignore[attr-defined]
-    experts.activation = activation  # type: ignore[attr-defined]
+    methods = fused_methods(
+        experts, StockExperts.apply_w13_lora, StockExperts.activation,
+        StockExperts.apply_w2_lora, StockExperts.moe_sum, Act.SILU,
+    )  # fmt: skip
+    for name, method in zip(("apply_w13_lora", "activation", "apply_w2_lora", "moe_sum"),
+                            methods, strict=True):  # fmt: skip
+        setattr(experts, name, method)
     return experts, type("Subclass", (experts,), {})
 
 
-def _run(
-    cls: type[StockExperts], kind: Act, add_inputs: bool = True, clamp: float | None = None
-) -> tuple[StockExperts, float]:
-    """One gate/up LoRA then the activation, as TritonExperts.apply runs them; returns the
-    experts and the activation's relative error against the float64 spec."""
-    args = make_inputs(CASE, torch.float32, "cpu", seed=7)
+@pytest.fixture
+def side_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The down LoRA goes beside the GEMM at this test's few pairs, as at prefill sizes."""
+    monkeypatch.setattr(moe_lora_side_stream, "SIDE_MIN_PAIRS", 1)
+
+
+@dataclasses.dataclass
+class Applied:
+    experts: StockExperts
+    act_error: float  # SiLU-and-mul's relative error against the float64 spec
+    sum_error: float  # moe_sum's, with the down LoRA added, against the float64 spec
+    down_buffer: torch.Tensor  # the base down GEMM's output buffer (intermediate_cache3)
+
+
+def _apply(
+    cls: type[StockExperts], kind: Act, add_inputs: bool = True, clamp: float | None = None,
+    device: str = "cpu", dtype: torch.dtype = torch.float32, **context: Any,
+) -> Applied:  # fmt: skip
+    """The LoRA parts of TritonExperts.apply in its order, with the base GEMMs' outputs random."""
+    args = make_inputs(CASE, dtype, device, seed=7)
     buffer = args.pop("output")[..., : 2 * CASE.n].contiguous()
-    updated = buffer.double().clone()
+    gen = torch.Generator().manual_seed(8)
+    a2 = torch.randn(CASE.adapters, CASE.experts, CASE.rank, CASE.n, generator=gen) / CASE.n**0.5
+    b2 = torch.randn(CASE.adapters, CASE.experts, HIDDEN, CASE.rank, generator=gen) / CASE.rank**0.5
+    down_base = torch.randn(CASE.tokens, CASE.top_k, HIDDEN, generator=gen)
+    a2, b2, down_base = (t.to(device, dtype) for t in (a2, b2, down_base))
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    cpu["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
+    cpu["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
+    updated = buffer.double().cpu()
     if add_inputs:
-        fused_moe_lora_reference(updated, **args, block_size=16)
+        fused_moe_lora_reference(updated, **cpu, block_size=16)
     gate, up = updated.view(-1, 2 * CASE.n).chunk(2, dim=1)
     act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
-    want = act(gate) * up
-    experts = cls(args)
+    want_act = act(gate) * up
+
+    experts = cls(args, (a2, b2))
     experts.quant_config.gemm1_clamp_limit = clamp
+    lora_context = LoraContext(args["adapter_enabled"], CASE.adapters, **context)
+    w2 = torch.empty(CASE.experts, HIDDEN, CASE.n, device=device)  # only its shape is read
+    shared = {"topk_weights": args["topk_weights"], "num_tokens": CASE.tokens, "w1": None,
+              "w2": w2, "top_k_num": CASE.top_k}  # fmt: skip
     lora_buffer = buffer if add_inputs else torch.zeros_like(buffer)
-    routing = experts.apply_w13_lora(None, y=lora_buffer, expert_map=None, add_inputs=add_inputs)
-    assert routing == "routing"
-    out = torch.empty(buffer.shape[0] * buffer.shape[1], CASE.n)
-    experts.activation(kind, out, buffer.view(-1, 2 * CASE.n))
+    routing = experts.apply_w13_lora(lora_context, y=lora_buffer, x=args["qcurr_hidden_states"],
+                                     topk_ids=None, expert_map=None, add_inputs=add_inputs,
+                                     **shared)  # fmt: skip
+    assert routing[3] is args["token_lora_mapping"]
+    act_out = torch.empty(buffer.shape[0] * buffer.shape[1], CASE.n, device=device, dtype=dtype)
+    experts.activation(kind, act_out, buffer.view(-1, 2 * CASE.n))
     assert PENDING not in experts.__dict__
-    return experts, float((out.double() - want).norm() / want.norm())
+
+    down = down_base.clone()
+    names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
+             "token_lora_mapping")  # fmt: skip
+    down_routing = dict(zip(names, routing, strict=True))
+    experts.apply_w2_lora(lora_context, y=down, x=act_out, **down_routing, **shared)
+    out = torch.full((CASE.tokens, HIDDEN), 777.0, device=device, dtype=dtype)
+    experts.moe_sum(down, out)
+    assert moe_lora_side_stream.LAUNCHED not in experts.__dict__
+
+    want_down = down_base.double().cpu()
+    fused_moe_lora_reference(
+        want_down, act_out.double().cpu(), [a2.double().cpu()], [b2.double().cpu()],
+        cpu["topk_weights"], cpu["sorted_token_ids"], cpu["expert_ids"],
+        cpu["num_tokens_post_padded"], cpu["token_lora_mapping"], CASE.rank, CASE.top_k,
+        cpu["lora_ids"], cpu["num_active_loras"], cpu["adapter_enabled"], block_size=16,
+        mul_routed_weight=True,
+    )  # fmt: skip
+    want_sum = want_down.sum(dim=1)
+    return Applied(
+        experts,
+        float((act_out.double().cpu() - want_act).norm() / want_act.norm()),
+        float((out.double().cpu() - want_sum).norm() / want_sum.norm()),
+        down,
+    )
+
+
+def _down_ran_in_order(applied: Applied) -> bool:
+    """Whether the down LoRA went vLLM's way: added into the GEMM's buffer, then moe_sum."""
+    calls = applied.experts.down_calls
+    stock = calls == [(True, applied.down_buffer)] and applied.experts.sums == 1
+    beside = len(calls) == 1 and calls[0][0] is False and applied.experts.sums == 0
+    assert stock or beside, f"neither flow: {calls}, {applied.experts.sums} sums"
+    return stock
 
 
 def test_silu_runs_the_fused_kernel_instead_of_the_original(classes: Any) -> None:
-    experts, err = _run(classes[0], Act.SILU)
-    assert experts.activations == []
-    assert err < 1e-5
+    applied = _apply(classes[0], Act.SILU)
+    assert applied.experts.activations == []
+    assert applied.act_error < 1e-5
+    assert applied.sum_error < 1e-5
+    assert _down_ran_in_order(applied), "a batch this small keeps vLLM's order"
 
 
 def test_another_activation_gets_the_expand_first(classes: Any) -> None:
-    experts, err = _run(classes[0], Act.GELU)
-    assert experts.activations == [Act.GELU]
-    assert err < 1e-5
+    applied = _apply(classes[0], Act.GELU)
+    assert applied.experts.activations == [Act.GELU]
+    assert applied.act_error < 1e-5
 
 
 def test_clamped_silu_gets_the_expand_first(classes: Any) -> None:
-    experts, err = _run(classes[0], Act.SILU, clamp=7.0)
-    assert experts.activations == [Act.SILU]
-    assert err < 1e-5
+    applied = _apply(classes[0], Act.SILU, clamp=7.0)
+    assert applied.experts.activations == [Act.SILU]
+    assert applied.act_error < 1e-5
 
 
-def test_a_subclass_goes_the_stock_way(classes: Any) -> None:
-    experts, err = _run(classes[1], Act.SILU)
-    assert experts.activations == [Act.SILU]
-    assert err < 1e-5
+def test_a_subclass_goes_the_stock_way(classes: Any, side_at_any_size: None) -> None:
+    applied = _apply(classes[1], Act.SILU)
+    assert applied.experts.activations == [Act.SILU]
+    assert applied.act_error < 1e-5
+    assert _down_ran_in_order(applied)
 
 
-def test_a_delta_only_call_is_not_deferred(classes: Any) -> None:
+def test_a_delta_only_call_is_not_deferred(classes: Any, side_at_any_size: None) -> None:
     """vLLM's dual-stream option asks for the delta alone (add_inputs=False) into a buffer of
     its own; the activation then reads the base buffer, which the LoRA never touched."""
-    experts, err = _run(classes[0], Act.SILU, add_inputs=False)
-    assert experts.activations == [Act.SILU]
-    assert err < 1e-5
+    applied = _apply(classes[0], Act.SILU, add_inputs=False)
+    assert applied.experts.activations == [Act.SILU]
+    assert applied.act_error < 1e-5
+    assert _down_ran_in_order(applied)
+
+
+@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
+def test_prefill_sized_down_lora_runs_beside_and_moe_sum_adds_it(
+    classes: Any, side_at_any_size: None, kind: Act
+) -> None:
+    """The down LoRA writes a delta buffer of its own (poisoned where it skips rows: tokens
+    without adapter) and leaves the GEMM's buffer alone; moe_sum adds the delta."""
+    applied = _apply(classes[0], kind)
+    assert not _down_ran_in_order(applied)
+    assert applied.experts.down_calls[0][1] is not applied.down_buffer
+    assert applied.act_error < 1e-5
+    assert applied.sum_error < 1e-5
+
+
+@pytest.mark.parametrize("context", [{"fully_sharded": True}, {"aux_stream": "vLLM's own"}])
+def test_sharded_or_dual_stream_lora_keeps_vllm_order(
+    classes: Any, side_at_any_size: None, context: dict[str, Any]
+) -> None:
+    applied = _apply(classes[0], Act.SILU, **context)
+    assert _down_ran_in_order(applied)
+    assert applied.sum_error < 1e-5
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_that_moe_sum_waits_for(
+    classes: Any, side_at_any_size: None
+) -> None:
+    """The stand-in's down LoRA sleeps ~25 ms on its stream before writing: moe_sum on the main
+    stream must wait for it (a sum that did not would read the NaN poison)."""
+    main = torch.cuda.current_stream()
+    applied = _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert not _down_ran_in_order(applied)
+    assert applied.experts.down_streams[0] != main
+    assert applied.act_error < 2e-2  # bf16 operands
+    assert applied.sum_error < 2e-2
