@@ -13,9 +13,9 @@ vLLM's dual-stream option (it asks for the delta alone, add_inputs=False), exper
 swapped slices, calls our op declines (vLLM's kernel then adds as before), and activations other
 than plain SiLU, before which the deferred expand is launched unfused.
 
-At prefill sizes the down LoRA then starts right after the activation, on a side stream beside
-the base down GEMM, and `moe_sum` adds its delta (`moe_lora_side_stream`, which supplies the
-other two methods patched here, `apply_w2_lora` and `moe_sum`).
+At prefill sizes the down LoRA then runs on a side stream beside the base down GEMM, from the
+moment the activation's output is ready, and `moe_sum` adds its delta (`moe_lora_side_stream`,
+which supplies the other two methods patched here, `apply_w2_lora` and `moe_sum`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from typing import Any
 
 from .moe_lora_act import expand_silu_and_mul, fits
 from .moe_lora_op import SplitExpand, defer_gate_up_expand
-from .moe_lora_side_stream import LAUNCHED, PLAN, drop_side, plan_down, side_methods, start_down
+from .moe_lora_side_stream import READY, drop_side, mark_ready, side_methods
 
-# The deferred expands, on the experts object between its two calls in one `apply`.
+# On the experts object between its two calls in one `apply`: the deferred expands, and whether
+# the down LoRA may go beside the down GEMM (the gate/up call went our way).
 PENDING = "_loraplex_pending_gate_up"
+BESIDE = "_loraplex_down_beside"
 
 
 def fused_methods(
@@ -42,8 +44,8 @@ def fused_methods(
         self: Any, lora_context: Any, *, add_inputs: bool = True, swap_w13_slices: bool = False,
         expert_map: Any = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
-        self.__dict__.pop(PENDING, None)
-        self.__dict__.pop(PLAN, None)
+        for key in (PENDING, BESIDE, READY):
+            self.__dict__.pop(key, None)
         drop_side(self)
         call = {"add_inputs": add_inputs, "swap_w13_slices": swap_w13_slices,
                 "expert_map": expert_map, **kwargs}  # fmt: skip
@@ -54,8 +56,7 @@ def fused_methods(
             routing = apply_w13_lora(self, lora_context, **call)
         if deferred:
             self.__dict__[PENDING] = deferred
-        if plan := plan_down(lora_context, kwargs, routing):
-            self.__dict__[PLAN] = plan
+        self.__dict__[BESIDE] = True
         return routing
 
     def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
@@ -68,9 +69,8 @@ def fused_methods(
             for expand in pending:
                 expand.launch()
             activation(self, kind, output, input, **kwargs)
-        plan = self.__dict__.pop(PLAN, None)
-        if plan is not None and (side := start_down(apply_w2_lora, self, plan, output)):
-            self.__dict__[LAUNCHED] = side
+        if self.__dict__.pop(BESIDE, False) and (ready := mark_ready(output)):
+            self.__dict__[READY] = ready
 
     fusing_activation._loraplex = True  # type: ignore[attr-defined]  # marks the patch as done
     return (deferring_apply_w13_lora, fusing_activation, *side_methods(apply_w2_lora, moe_sum))

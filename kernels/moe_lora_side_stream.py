@@ -8,14 +8,16 @@ read-modify-write of the buffer (pairs x hidden, both ways) is memory traffic af
 by arithmetic. In the H200 profile of a 16 x 1600-token prefill at a2a717e the down expand alone
 took 29 ms of the 448 ms.
 
-Here, once SiLU-and-mul has written the down LoRA's input, vLLM's own `apply_w2_lora` runs on a
-side stream into a delta buffer (add_inputs=False) while the main stream runs the base GEMM.
-`apply_w2_lora` then has nothing left to do, and `moe_sum` waits for the side stream and sums
-the experts' outputs and the deltas in one pass (`moe_lora_sum`).
+Here SiLU-and-mul marks its output ready (an event on the main stream); `apply_w2_lora`, called
+once the base GEMM is queued, runs vLLM's own down LoRA on a side stream that waits for that
+event only, into a delta buffer (add_inputs=False); `moe_sum` waits for the side stream and sums
+the experts' outputs and the deltas in one pass (`moe_lora_sum`). The base GEMM is queued before
+the LoRA's host work, so the GPU does not wait for that work to start the GEMM.
 
 Only from SIDE_MIN_PAIRS (token, expert) pairs on, outside CUDA-graph capture, and not with an
-expert map, vLLM's own dual-stream option or fully sharded LoRA; otherwise vLLM's order. Without
-CUDA (the CPU tests) the same steps run in order on the current stream.
+expert map (`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully
+sharded LoRA; otherwise vLLM's order. Without CUDA (the
+CPU tests) the same steps run in order on the current stream.
 """
 
 from __future__ import annotations
@@ -32,30 +34,34 @@ from .moe_lora_sum import moe_sum_with_delta
 # Prefill sizes: vLLM's CUDA-graph (decode) batches stay far below this many pairs (the e2e
 # workload's prefill chunks have 73,728 and 131,072).
 SIDE_MIN_PAIRS = 8192
-# On the experts object, from the gate/up LoRA call to SiLU-and-mul, then to moe_sum.
-PLAN = "_loraplex_down_plan"
+# On the experts object: SiLU-and-mul's output, ready (until apply_w2_lora); the launched
+# down LoRA (until moe_sum).
+READY = "_loraplex_down_input_ready"
 LAUNCHED = "_loraplex_down_side"
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 @dataclass(frozen=True)
-class DownPlan:
-    """The down LoRA call this `apply` will make, known at its gate/up LoRA call: vLLM's
-    `apply_w2_lora` keyword arguments but y and x."""
+class Ready:
+    """The down LoRA's input (SiLU-and-mul's output) and the event after which it is written
+    (None without CUDA)."""
 
-    lora_context: Any
-    call: dict[str, Any]
+    x: torch.Tensor
+    event: torch.cuda.Event | None
 
 
 @dataclass(frozen=True)
 class SideDown:
     """A down LoRA launched on the side stream; holds every tensor it reads until moe_sum."""
 
-    plan: DownPlan
-    x: torch.Tensor  # its input, SiLU-and-mul's output
-    delta: torch.Tensor  # (tokens, top_k, hidden): its output, rows of LoRA tokens only
+    lora_context: Any
+    call: dict[str, Any]  # vLLM's apply_w2_lora keyword arguments, y the delta
     stream: torch.cuda.Stream | None  # None without CUDA: it ran in order
+
+    @property
+    def delta(self) -> torch.Tensor:
+        return self.call["y"]
 
     def join(self) -> None:
         """Make the current stream wait for the side stream's work."""
@@ -63,25 +69,22 @@ class SideDown:
             torch.cuda.current_stream(self.delta.device).wait_stream(self.stream)
 
 
-def plan_down(lora_context: Any, w13_call: dict[str, Any], routing: Any) -> DownPlan | None:
-    """The plan from the gate/up call's arguments and its routing (vLLM's `apply_w13_lora`
-    returns sorted ids, expert ids, padded counts, token slots), or None where the down LoRA
-    should run vLLM's way."""
-    if lora_context.fully_sharded or lora_context.aux_stream is not None:
+def mark_ready(x: torch.Tensor) -> Ready | None:
+    """SiLU-and-mul has just been queued writing x, (pairs, N): the marker apply_w2_lora looks
+    for, or None below SIDE_MIN_PAIRS or while a CUDA graph is being captured (the side stream
+    stays out of graphs)."""
+    if x.shape[0] < SIDE_MIN_PAIRS:
         return None
-    if not isinstance(routing, tuple) or len(routing) != 4 or routing[3] is None:
+    if not x.is_cuda:
+        return Ready(x, None)
+    if torch.cuda.is_current_stream_capturing():
         return None
-    if w13_call["topk_weights"].numel() < SIDE_MIN_PAIRS:
-        return None
-    names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
-             "token_lora_mapping")  # fmt: skip
-    call = {key: w13_call[key] for key in ("topk_weights", "num_tokens", "w1", "w2", "top_k_num")}
-    return DownPlan(lora_context, {**call, **dict(zip(names, routing, strict=True))})
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(x.device))
+    return Ready(x, event)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    if device.type != "cuda":
-        return None
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _STREAMS:
         # High priority: its blocks go ahead of the GEMM's waiting ones as SMs free up, so the
@@ -90,37 +93,38 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return _STREAMS[index]
 
 
-def start_down(apply_w2_lora: Callable[..., Any], experts: Any, plan: DownPlan,
-               x: torch.Tensor) -> SideDown | None:  # fmt: skip
-    """Launch vLLM's down LoRA on the side stream into a new delta buffer; None (nothing
-    launched) while a CUDA graph is being captured."""
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    tokens, top_k = plan.call["topk_weights"].shape
-    hidden = plan.call["w2"].shape[1]
-    delta = torch.empty((tokens, top_k, hidden), dtype=x.dtype, device=x.device)
-    stream = _side_stream(x.device)
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        apply_w2_lora(experts, plan.lora_context, y=delta, x=x, add_inputs=False, **plan.call)
-    return SideDown(plan, x, delta, stream)
+def _goes_beside(ready: Ready | None, lora_context: Any, call: dict[str, Any]) -> bool:
+    return (
+        ready is not None
+        and ready.x is call["x"]
+        and call.get("add_inputs", True)
+        and call.get("token_lora_mapping") is not None
+        and not lora_context.fully_sharded
+        and lora_context.aux_stream is None
+    )
 
 
 def side_methods(
     apply_w2_lora: Callable[..., Any], moe_sum: Callable[..., Any]
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(apply_w2_lora, moe_sum) for the experts class, wrapping its originals: both go vLLM's
-    way unless a down LoRA for this `apply` was launched on the side stream."""
+    way unless SiLU-and-mul marked its output ready (`mark_ready`) and the call qualifies."""
 
-    def side_aware_apply_w2_lora(
-        self: Any, lora_context: Any, *, y: torch.Tensor, x: torch.Tensor, **kwargs: Any
-    ) -> Any:
-        side: SideDown | None = self.__dict__.get(LAUNCHED)
-        if side is not None and side.x is x and side.delta.shape == y.shape:
-            return None  # the side stream computes this call; moe_sum adds its delta
+    def side_launching_apply_w2_lora(self: Any, lora_context: Any, **call: Any) -> None:
+        ready: Ready | None = self.__dict__.pop(READY, None)
         drop_side(self)
-        return apply_w2_lora(self, lora_context, y=y, x=x, **kwargs)
+        if not _goes_beside(ready, lora_context, call):
+            apply_w2_lora(self, lora_context, **call)
+            return
+        assert ready is not None
+        side_call = {**call, "y": torch.empty_like(call["y"]), "add_inputs": False}
+        stream = None
+        if ready.event is not None:
+            stream = _side_stream(ready.x.device)
+            stream.wait_event(ready.event)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            apply_w2_lora(self, lora_context, **side_call)
+        self.__dict__[LAUNCHED] = SideDown(lora_context, side_call, stream)
 
     def delta_adding_moe_sum(self: Any, input: torch.Tensor, output: torch.Tensor) -> None:
         side: SideDown | None = self.__dict__.pop(LAUNCHED, None)
@@ -130,11 +134,11 @@ def side_methods(
             moe_sum(self, input, output)
             return
         side.join()
-        context = side.plan.lora_context
-        moe_sum_with_delta(input, side.delta, side.plan.call["token_lora_mapping"],
+        context = side.lora_context
+        moe_sum_with_delta(input, side.delta, side.call["token_lora_mapping"],
                            context.adapter_enabled, context.max_loras, output)  # fmt: skip
 
-    return side_aware_apply_w2_lora, delta_adding_moe_sum
+    return side_launching_apply_w2_lora, delta_adding_moe_sum
 
 
 def drop_side(experts: Any) -> None:

@@ -69,6 +69,8 @@ class StockExperts:
 
     def activation(self, kind: Act, output: torch.Tensor, input: torch.Tensor) -> None:
         self.activations.append(kind)
+        if output.is_cuda:
+            torch.cuda._sleep(50_000_000)  # ~25 ms: a down LoRA that did not wait would see junk
         gate, up = input.chunk(2, dim=1)
         act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
         output.copy_(act(gate) * up)
@@ -259,13 +261,15 @@ def test_sharded_or_dual_stream_lora_keeps_vllm_order(
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_that_moe_sum_waits_for(
-    classes: Any, side_at_any_size: None
+@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
+def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
+    classes: Any, side_at_any_size: None, kind: Act
 ) -> None:
     """The stand-in's down LoRA sleeps ~25 ms on its stream before writing: moe_sum on the main
-    stream must wait for it (a sum that did not would read the NaN poison)."""
+    stream must wait for it (a sum that did not would read the NaN poison). Its GELU-and-mul
+    sleeps as long before writing its output: the down LoRA must wait for that."""
     main = torch.cuda.current_stream()
-    applied = _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16)
+    applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert not _down_ran_in_order(applied)
     assert applied.experts.down_streams[0] != main
