@@ -76,17 +76,21 @@ def fused_methods(
     return (deferring_apply_w13_lora, fusing_activation, *side_methods(apply_w2_lora, moe_sum))
 
 
+METHODS = ("apply_w13_lora", "activation", "apply_w2_lora", "moe_sum")  # fused_methods' order
+
+
+def install(experts_cls: type, silu: object) -> None:
+    """Replace experts_cls's four methods (METHODS) with ours wrapping them."""
+    apply_w13_lora, activation, apply_w2_lora, moe_sum = (getattr(experts_cls, n) for n in METHODS)
+    ours = fused_methods(experts_cls, apply_w13_lora, activation, apply_w2_lora, moe_sum, silu)
+    for name, method in zip(METHODS, ours, strict=True):
+        setattr(experts_cls, name, method)
+
+
 def patch_triton_experts() -> None:
     """Put the four methods on vLLM's TritonExperts, once."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
-    if getattr(TritonExperts.activation, "_loraplex", False):
-        return
-    methods = fused_methods(
-        TritonExperts, TritonExperts.apply_w13_lora, TritonExperts.activation,
-        TritonExperts.apply_w2_lora, TritonExperts.moe_sum, MoEActivation.SILU,
-    )  # fmt: skip
-    for name, method in zip(("apply_w13_lora", "activation", "apply_w2_lora", "moe_sum"),
-                            methods, strict=True):  # fmt: skip
-        setattr(TritonExperts, name, method)
+    if not getattr(TritonExperts.activation, "_loraplex", False):
+        install(TritonExperts, MoEActivation.SILU)

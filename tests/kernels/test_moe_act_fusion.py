@@ -17,7 +17,7 @@ import torch
 from moe_lora_cases import Case, make_inputs
 
 from loraplex.kernels import moe_lora_side_stream
-from loraplex.kernels.moe_act_fusion import PENDING, fused_methods
+from loraplex.kernels.moe_act_fusion import PENDING, install
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import fused_moe_lora
 from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference
@@ -106,13 +106,7 @@ class StockExperts:
 def classes() -> tuple[type[StockExperts], type[StockExperts]]:
     """(the patched class, a subclass of it), patched as `patch_triton_experts` does."""
     experts = type("Experts", (StockExperts,), {})
-    methods = fused_methods(
-        experts, StockExperts.apply_w13_lora, StockExperts.activation,
-        StockExperts.apply_w2_lora, StockExperts.moe_sum, Act.SILU,
-    )  # fmt: skip
-    for name, method in zip(("apply_w13_lora", "activation", "apply_w2_lora", "moe_sum"),
-                            methods, strict=True):  # fmt: skip
-        setattr(experts, name, method)
+    install(experts, Act.SILU)
     return experts, type("Subclass", (experts,), {})
 
 
