@@ -16,8 +16,8 @@ the LoRA's host work, so the GPU does not wait for that work to start the GEMM.
 
 Only from SIDE_MIN_PAIRS (token, expert) pairs on, outside CUDA-graph capture, and not with an
 expert map (`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully
-sharded LoRA; otherwise vLLM's order. Without CUDA (the
-CPU tests) the same steps run in order on the current stream.
+sharded LoRA; otherwise vLLM's order. Without CUDA (the CPU tests) the same steps run in order
+on the current stream.
 """
 
 from __future__ import annotations
