@@ -33,6 +33,7 @@ from typing import Any
 
 import tomllib
 
+from bench.e2e.traces import summarize_traces
 from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,91 +256,6 @@ class GpuClocks:
             return {}
         return {"sm_clock_mhz": statistics.median(c for c, _ in self.samples),
                 "power_w": round(statistics.median(w for _, w in self.samples), 1)}  # fmt: skip
-
-
-KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
-    ("moe_lora_ours", r"^moe_lora_(shrink|expand|fused|expand_silu_and_mul)_kernel$"),
-    ("moe_sum_ours", r"^moe_sum_with_delta_kernel$"),
-    ("dense_lora_ours", r"^lora_dense_(tiled_)?(shrink|expand)_kernel$"),
-    ("moe_lora_align_ours", r"^_(count|layout|place)_kernel$"),
-    ("moe_lora_vllm", r"fused_moe_lora"),
-    ("moe_lora_align", r"moe_lora_align|lora_align"),
-    ("dense_lora", r"lora_shrink|lora_expand|_lora_"),
-    ("moe_base", r"fused_moe_kernel|moe_align|moe_sum|topk|count_and_sort"),
-    ("attention", r"flash|attn|attention|fmha"),
-    ("gemm", r"gemm|nvjet|cutlass|cublas|sm90_xmma|matmul"),
-)
-
-
-GAP_US = 50.0  # GPU idle between kernels counted as a gap (launch-to-launch jitter is less)
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
-def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
-    """GPU kernel time per step by group, summed over the worker's trace files, and the kernels
-    that take the most of it; plus where the GPU waited on the host: its idle time inside the
-    kernels' span, and the host calls that wait on the GPU (synchronizations, blocking copies)
-    by the ops that made them."""
-    import gzip
-    import re
-
-    totals: dict[str, float] = {}
-    kernels: list[tuple[float, float, str]] = []
-    by_name: dict[str, list[float]] = {}
-    ops: dict[Any, list[tuple[float, float, str]]] = {}
-    syncs: list[tuple[Any, float, float, str]] = []
-    for path in folder.rglob("*.json*"):
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            events = json.load(f).get("traceEvents", [])
-        for ev in events:
-            cat, name = ev.get("cat"), ev.get("name", "")
-            ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
-            if cat == "kernel":
-                group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
-                totals[group] = totals.get(group, 0.0) + dur
-                kernels.append((ts, ts + dur, name))
-                by_name.setdefault(name, []).append(dur)
-            elif cat == "cpu_op":
-                ops.setdefault(ev.get("tid"), []).append((ts, ts + dur, name))
-            elif cat == "cuda_runtime" and name.startswith(SYNCS):
-                syncs.append((ev.get("tid"), ts, dur, name))
-    per_step: dict[str, Any] = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
-    per_step["all_kernels"] = round(sum(totals.values()) / steps, 1)
-    top_names = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:16]
-    per_step["top_kernels"] = {  # name: [launches per step, µs per step, median µs per launch]
-        name[:90]: [len(d) // steps, round(sum(d) / steps, 1), round(statistics.median(d), 2)]
-        for name, d in top_names
-    }
-    busy, end, last = 0.0, float("-inf"), ""
-    gaps: list[tuple[float, str, str]] = []  # (µs, kernel before, kernel after)
-    for lo, hi, name in sorted(kernels):  # the union of kernel intervals
-        if end > float("-inf") and lo - end > GAP_US:
-            gaps.append((lo - end, last, name))
-        busy += max(0.0, hi - max(lo, end))
-        if hi >= end:
-            end, last = hi, name
-    span = (end - min(lo for lo, _, _ in kernels)) if kernels else 0.0
-    per_step["gpu_idle_in_span"] = round((span - busy) / steps, 1)
-    # Kernel time that ran beside other kernels (loraplex's side stream): all_kernels - busy.
-    per_step["kernels_overlapped"] = round((sum(totals.values()) - busy) / steps, 1)
-    per_step["gpu_gaps"] = {  # where the idle is: the largest gaps, with their neighbours
-        "over_us": GAP_US,
-        "count": len(gaps),
-        "total_us": round(sum(g for g, _, _ in gaps), 1),
-        "largest": [[round(g, 1), a[:60], b[:60]] for g, a, b in sorted(gaps, reverse=True)[:12]],
-    }
-    for thread_ops in ops.values():
-        thread_ops.sort(key=lambda op: (op[0], -op[1]))  # enclosing ops first
-    by_caller: dict[str, list[float]] = {}
-    for tid, ts, dur, name in syncs:
-        chain = [n for lo, hi, n in ops.get(tid, []) if lo <= ts <= hi][:3]
-        entry = by_caller.setdefault(" > ".join([*chain, name]), [0, 0.0])
-        entry[0] += 1
-        entry[1] += dur
-    top = sorted(by_caller.items(), key=lambda kv: -kv[1][1])[:12]
-    per_step["host_waits"] = {k: [v[0], round(v[1] / steps, 1)] for k, v in top}
-    return per_step
 
 
 SAMPLED_PREFILLS = 8  # prefills py-spy samples, unprofiled: ~4 s at the ~0.5 s of one
