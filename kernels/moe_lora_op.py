@@ -11,7 +11,7 @@ op can be captured in CUDA graphs; grids depend on shapes only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -189,6 +189,7 @@ def fused_moe_lora(
     fuse_slices = config.fuse_slices and len(lora_a) == 2  # one program does gate and up
     slice_programs = 1 if fuse_slices else len(lora_a)
     if config.variant == "fused":
+        before_output_write()
         grid = (num_units * config.npid, slice_programs)
         kt.moe_lora_fused_kernel[grid](
             x, a0, a1, b0, b1, out2d, topk_weights, *routing, k, n, *lengths, offset,
@@ -227,6 +228,7 @@ def fused_moe_lora(
     if sink is not None and expand.is_gate_up():
         sink.append(expand)
         return
+    before_output_write()
     expand.launch()
 
 
@@ -291,17 +293,36 @@ _deferred_gate_up: ContextVar[list[SplitExpand] | None] = ContextVar(
 )
 
 
+_before_output_write: ContextVar[Callable[[], None] | None] = ContextVar(
+    "loraplex_before_output_write", default=None
+)
+
+
 @contextmanager
-def defer_gate_up_expand() -> Iterator[list[SplitExpand]]:
+def defer_gate_up_expand(
+    before_output_write: Callable[[], None] | None = None,
+) -> Iterator[list[SplitExpand]]:
     """Inside the block, a split gate/up call (`SplitExpand.is_gate_up`) runs its shrink only
     and appends its expand to the yielded list, for the caller to launch or fuse; other calls
-    run whole. The output is not updated until the caller does one or the other."""
+    run whole, calling `before_output_write` first (the caller's chance to order the write
+    after other work on the output: `moe_lora_side_stream` runs the block on a second stream
+    beside the GEMM that writes it). The output is not updated until the caller launches or
+    fuses the deferred expands."""
     sink: list[SplitExpand] = []
     token = _deferred_gate_up.set(sink)
+    guard = _before_output_write.set(before_output_write)
     try:
         yield sink
     finally:
+        _before_output_write.reset(guard)
         _deferred_gate_up.reset(token)
+
+
+def before_output_write() -> None:
+    """What a launch that writes the op's output (ours or vLLM's) calls first, inside
+    `defer_gate_up_expand(before_output_write=...)`."""
+    if (hook := _before_output_write.get()) is not None:
+        hook()
 
 
 def _expand_parts(config: MoeLoraConfig, sorted_form: bool, block_m: int) -> int:

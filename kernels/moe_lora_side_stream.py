@@ -1,18 +1,24 @@
-"""The down (w2) LoRA beside vLLM's base down GEMM, on a second CUDA stream, at prefill sizes.
+"""The MoE LoRA beside vLLM's base GEMMs, on a second CUDA stream, at prefill sizes.
 
 For a LoRA batch vLLM 0.26's `TritonExperts.apply` runs on one stream: the base gate/up GEMM,
 the gate/up LoRA, SiLU-and-mul, the base down GEMM into `intermediate_cache3`, the down LoRA
 added into that buffer (`apply_w2_lora`), then `moe_sum` of the buffer into the layer's output.
-The down LoRA waits for the GEMM, though it needs only SiLU-and-mul's output, and its
-read-modify-write of the buffer (pairs x hidden, both ways) is memory traffic after a GEMM bound
-by arithmetic. In the H200 profile of a 16 x 1600-token prefill at a2a717e the down expand alone
-took 29 ms of the 448 ms.
+Each LoRA waits for its GEMM, though it needs only the GEMM's input. In the H200 profile of a
+16 x 1600-token prefill at a2a717e the down expand alone took 29 ms of the 448 ms.
 
-Here SiLU-and-mul marks its output ready (an event on the main stream); `apply_w2_lora`, called
-once the base GEMM is queued, runs vLLM's own down LoRA on a side stream that waits for that
-event only, into a delta buffer (add_inputs=False); `moe_sum` waits for the side stream and sums
-the experts' outputs and the deltas in one pass (`moe_lora_sum`). The base GEMM is queued before
-the LoRA's host work, so the GPU does not wait for that work to start the GEMM.
+The down LoRA: SiLU-and-mul marks its output ready (`mark_ready`, an event on the main stream);
+`apply_w2_lora`, called once the base down GEMM is queued, runs vLLM's own down LoRA on a side
+stream that waits for that event only, into a delta buffer (add_inputs=False); `moe_sum` waits
+for the side stream and sums the experts' outputs and the deltas in one pass (`moe_lora_sum`).
+The base GEMM is queued before the LoRA's host work, so the GPU does not wait for that work.
+
+The gate/up LoRA: `apply` marks its inputs ready at its entry (`mark_inputs_ready`), before it
+queues the base gate/up GEMM; the gate/up LoRA call (vLLM's routing of the LoRA pairs and our
+op's shrink, its expand deferred into SiLU-and-mul) then runs on the side stream from that event
+(`gate_up_beside`), and SiLU-and-mul waits for it. A call that would write the GEMM's output
+there (our op undeferred, or vLLM's) first makes the side stream wait for the GEMM. On the H200
+this took the 16 x 1600-token prefill from 0.4381 to 0.4326 and 0.4327 s (bench_e2e.py, same
+machine, median of 9).
 
 Only from SIDE_MIN_PAIRS (token, expert) pairs on, outside CUDA-graph capture, and not with an
 expert map (`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully
@@ -23,7 +29,7 @@ on the current stream.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +88,72 @@ def mark_ready(x: torch.Tensor) -> Ready | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(x.device))
     return Ready(x, event)
+
+
+@dataclass(frozen=True)
+class InputsReady:
+    """`apply`'s inputs (hidden states, routing) are queued: the event after which they are
+    written, recorded before the base gate/up GEMM is queued (None without CUDA)."""
+
+    event: torch.cuda.Event | None
+
+
+def mark_inputs_ready(hidden_states: torch.Tensor, topk_ids: torch.Tensor) -> InputsReady | None:
+    """At `apply`'s entry: the marker the gate/up LoRA call looks for, or None below
+    SIDE_MIN_PAIRS or while a CUDA graph is being captured."""
+    if topk_ids.numel() < SIDE_MIN_PAIRS:
+        return None
+    if not hidden_states.is_cuda:
+        return InputsReady(None)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(hidden_states.device))
+    return InputsReady(event)
+
+
+@dataclass(frozen=True)
+class SideGateUp:
+    """A gate/up LoRA shrink (and vLLM's routing of the LoRA pairs) launched on the side stream;
+    `join` before anything on the main stream reads its results."""
+
+    stream: torch.cuda.Stream | None  # None without CUDA: it ran in order
+    device: torch.device
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+@contextlib.contextmanager
+def gate_up_beside(
+    inputs: InputsReady | None, lora_context: Any, x: torch.Tensor
+) -> Iterator[tuple[SideGateUp | None, Callable[[], None] | None]]:
+    """Around vLLM's gate/up LoRA call (its routing and our op, expand deferred): on the side
+    stream, after `apply`'s inputs are ready and beside the base gate/up GEMM, where `inputs`
+    marks a prefill-sized call that qualifies. Yields (the launched side work or None, the hook
+    a write of the GEMM's output must call first: the side stream then waits for the GEMM)."""
+    if inputs is None or lora_context.fully_sharded or lora_context.aux_stream is not None:
+        yield None, None
+        return
+    if inputs.event is None:
+        yield SideGateUp(None, x.device), None
+        return
+    main = torch.cuda.current_stream(x.device)
+    stream = _side_stream(x.device)
+    stream.wait_event(inputs.event)
+    with torch.cuda.stream(stream):
+        yield SideGateUp(stream, x.device), lambda: stream.wait_stream(main)
+
+
+def keep_for_main(tensors: Iterable[torch.Tensor | None], side: SideGateUp) -> None:
+    """Tensors the side stream allocated that the main stream reads later: the allocator must
+    not hand their memory to the side stream again before those reads."""
+    if side.stream is None:
+        return
+    for t in tensors:
+        if t is not None:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

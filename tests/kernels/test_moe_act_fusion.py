@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,12 +18,13 @@ import torch
 from moe_lora_cases import Case, make_inputs
 
 from loraplex.kernels import moe_lora_side_stream
-from loraplex.kernels.moe_act_fusion import PENDING, install
+from loraplex.kernels.moe_act_fusion import GATE_UP_SIDE, PENDING, install
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import fused_moe_lora
 from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference
 
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2)
+FUSED = MoeLoraConfig("fused", block_k=32, block_n=32)
 CASE = Case(6, 2, 8, 16, 3, "uniform", no_adapter=0.3)
 HIDDEN = 40  # the down projection's output width
 
@@ -56,12 +58,24 @@ class StockExperts:
         self.activations: list[Act] = []
         self.down_calls: list[tuple[bool, torch.Tensor]] = []  # (add_inputs, y) per call
         self.down_streams: list[Any] = []  # the CUDA stream each down call ran on
+        self.w13_streams: list[Any] = []  # and each gate/up call
+        self.w13_config = SPLIT  # FUSED: one launch that writes the buffer, nothing deferred
+        self.w13_sleep_cycles = 0
         self.sums = 0
+
+    def apply(self, *, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+              flow: Callable[[], Any]) -> Any:  # fmt: skip
+        """TritonExperts.apply: `flow` stands for its body (GEMMs and the methods below)."""
+        del hidden_states, topk_ids
+        return flow()
 
     def apply_w13_lora(self, lora_context: Any, *, y: torch.Tensor, add_inputs: bool,
                        **kwargs: Any) -> tuple[Any, ...]:  # fmt: skip
         del lora_context, kwargs
-        fused_moe_lora(y, **self.w13_args, shrink_block_size_m=16, config=SPLIT,
+        self.w13_streams.append(torch.cuda.current_stream() if y.is_cuda else None)
+        if y.is_cuda and self.w13_sleep_cycles:
+            torch.cuda._sleep(self.w13_sleep_cycles)  # an activation that did not wait: junk
+        fused_moe_lora(y, **self.w13_args, shrink_block_size_m=16, config=self.w13_config,
                        add_inputs=add_inputs)  # fmt: skip
         args = self.w13_args
         return (args["sorted_token_ids"], args["expert_ids"], args["num_tokens_post_padded"],
@@ -126,12 +140,15 @@ class Applied:
 
 def _apply(
     cls: type[StockExperts], kind: Act, add_inputs: bool = True, clamp: float | None = None,
-    device: str = "cpu", dtype: torch.dtype = torch.float32, **context: Any,
+    device: str = "cpu", dtype: torch.dtype = torch.float32, gemm_sleep_cycles: int = 0,
+    configure: Callable[[StockExperts], None] = lambda experts: None, seed: int = 7,
+    **context: Any,
 ) -> Applied:  # fmt: skip
-    """The LoRA parts of TritonExperts.apply in its order, with the base GEMMs' outputs random."""
-    args = make_inputs(CASE, dtype, device, seed=7)
+    """The LoRA parts of TritonExperts.apply in its order, with the base GEMMs' outputs random;
+    on a GPU the base gate/up GEMM writes its buffer after `gemm_sleep_cycles`."""
+    args = make_inputs(CASE, dtype, device, seed=seed)
     buffer = args.pop("output")[..., : 2 * CASE.n].contiguous()
-    gen = torch.Generator().manual_seed(8)
+    gen = torch.Generator().manual_seed(seed + 1)
     a2 = torch.randn(CASE.adapters, CASE.experts, CASE.rank, CASE.n, generator=gen) / CASE.n**0.5
     b2 = torch.randn(CASE.adapters, CASE.experts, HIDDEN, CASE.rank, generator=gen) / CASE.rank**0.5
     down_base = torch.randn(CASE.tokens, CASE.top_k, HIDDEN, generator=gen)
@@ -148,27 +165,40 @@ def _apply(
 
     experts = cls(args, (a2, b2))
     experts.quant_config.gemm1_clamp_limit = clamp
+    configure(experts)
     lora_context = LoraContext(args["adapter_enabled"], CASE.adapters, **context)
     w2 = torch.empty(CASE.experts, HIDDEN, CASE.n, device=device)  # only its shape is read
     shared = {"topk_weights": args["topk_weights"], "num_tokens": CASE.tokens, "w1": None,
               "w2": w2, "top_k_num": CASE.top_k}  # fmt: skip
-    lora_buffer = buffer if add_inputs else torch.zeros_like(buffer)
-    routing = experts.apply_w13_lora(lora_context, y=lora_buffer, x=args["qcurr_hidden_states"],
-                                     topk_ids=None, expert_map=None, add_inputs=add_inputs,
-                                     **shared)  # fmt: skip
-    assert routing[3] is args["token_lora_mapping"]
+    gemm_output = buffer.clone()
     act_out = torch.empty(buffer.shape[0] * buffer.shape[1], CASE.n, device=device, dtype=dtype)
-    experts.activation(kind, act_out, buffer.view(-1, 2 * CASE.n))
-    assert PENDING not in experts.__dict__
-
     down = down_base.clone()
-    names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
-             "token_lora_mapping")  # fmt: skip
-    down_routing = dict(zip(names, routing, strict=True))
-    experts.apply_w2_lora(lora_context, y=down, x=act_out, **down_routing, **shared)
     out = torch.full((CASE.tokens, HIDDEN), 777.0, device=device, dtype=dtype)
-    experts.moe_sum(down, out)
-    assert moe_lora_side_stream.LAUNCHED not in experts.__dict__
+
+    def flow() -> None:
+        buffer.fill_(float("nan"))  # until the base gate/up GEMM writes it
+        if buffer.is_cuda and gemm_sleep_cycles:
+            torch.cuda._sleep(gemm_sleep_cycles)
+        buffer.copy_(gemm_output)
+        lora_buffer = buffer if add_inputs else torch.zeros_like(buffer)
+        routing = experts.apply_w13_lora(
+            lora_context, y=lora_buffer, x=args["qcurr_hidden_states"], topk_ids=None,
+            expert_map=None, add_inputs=add_inputs, **shared,
+        )  # fmt: skip
+        assert routing[3] is args["token_lora_mapping"]
+        experts.activation(kind, act_out, buffer.view(-1, 2 * CASE.n))
+        assert PENDING not in experts.__dict__
+        assert GATE_UP_SIDE not in experts.__dict__
+        names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
+                 "token_lora_mapping")  # fmt: skip
+        down_routing = dict(zip(names, routing, strict=True))
+        experts.apply_w2_lora(lora_context, y=down, x=act_out, **down_routing, **shared)
+        experts.moe_sum(down, out)
+        assert moe_lora_side_stream.LAUNCHED not in experts.__dict__
+
+    # topk_weights has topk_ids' shape: the pairs, all that marking the inputs reads of it
+    experts.apply(hidden_states=args["qcurr_hidden_states"], topk_ids=args["topk_weights"],
+                  flow=flow)  # fmt: skip
 
     want_down = down_base.double().cpu()
     fused_moe_lora_reference(
@@ -261,11 +291,86 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
 ) -> None:
     """The stand-in's down LoRA sleeps ~25 ms on its stream before writing: moe_sum on the main
     stream must wait for it (a sum that did not would read the NaN poison). Its GELU-and-mul
-    sleeps as long before writing its output: the down LoRA must wait for that."""
+    sleeps as long before writing its output: the down LoRA must wait for that. A first run on
+    other inputs compiles the kernels, whose seconds on the host would hide a missing wait."""
     main = torch.cuda.current_stream()
+    _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)
     applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert not _down_ran_in_order(applied)
     assert applied.experts.down_streams[0] != main
+    assert applied.act_error < 2e-2  # bf16 operands
+    assert applied.sum_error < 2e-2
+
+
+def test_prefill_sized_gate_up_lora_goes_beside_the_gemm_and_is_joined(
+    classes: Any, side_at_any_size: None
+) -> None:
+    """On the CPU the side stream is the current one: the flow marks the call as beside (the
+    activation finds and joins it, `_apply` asserts it is gone) and the results hold."""
+    seen: list[bool] = []
+    experts_cls = classes[0]
+    activation = experts_cls.activation
+
+    def spying_activation(self: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(GATE_UP_SIDE in self.__dict__)
+        activation(self, *args, **kwargs)
+
+    experts_cls.activation = spying_activation
+    applied = _apply(experts_cls, Act.SILU)
+    assert seen == [True]
+    assert applied.act_error < 1e-5 and applied.sum_error < 1e-5
+
+
+@pytest.mark.parametrize("context", [{"fully_sharded": True}, {"aux_stream": "vLLM's own"}])
+def test_small_sharded_or_dual_stream_gate_up_lora_stays_on_the_main_stream(
+    classes: Any, context: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+    experts_cls = classes[0]
+    activation = experts_cls.activation
+
+    def spying_activation(self: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(GATE_UP_SIDE in self.__dict__)
+        activation(self, *args, **kwargs)
+
+    experts_cls.activation = spying_activation
+    _apply(experts_cls, Act.SILU)  # few pairs
+    monkeypatch.setattr(moe_lora_side_stream, "SIDE_MIN_PAIRS", 1)
+    applied = _apply(experts_cls, Act.SILU, **context)
+    assert seen == [False, False]
+    assert applied.act_error < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("waits_for", ["the shrink", "the GEMM"])
+def test_on_a_gpu_the_gate_up_lora_runs_on_a_second_stream_between_the_right_waits(
+    classes: Any, side_at_any_size: None, waits_for: str
+) -> None:
+    """The gate/up LoRA runs on the side stream from `apply`'s entry, beside the base GEMM.
+    "the shrink": it sleeps ~25 ms on the side stream before its shrink; SiLU-and-mul, which
+    reads the shrink's partial products, must wait for it. "the GEMM": the GEMM stand-in sleeps
+    ~25 ms before it writes its buffer, and the LoRA runs whole (one fused launch, nothing
+    deferred); the LoRA's add into that buffer must wait for the GEMM, or the GEMM's write would
+    erase it. Either miss loses the LoRA: over half of the activation's norm here. A first run
+    on other inputs compiles the kernels (a compile's seconds on the host would hide a missing
+    wait) and leaves other values in the memory that the second run's buffers reuse."""
+    main = torch.cuda.current_stream()
+    sleep = 50_000_000  # cycles, ~25 ms
+
+    def configure(experts: StockExperts) -> None:
+        if waits_for == "the shrink":
+            experts.w13_sleep_cycles = sleep
+        else:
+            experts.w13_config = FUSED
+
+    _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, configure=configure, seed=3)
+    applied = _apply(
+        classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, configure=configure,
+        gemm_sleep_cycles=sleep if waits_for == "the GEMM" else 0,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert applied.experts.w13_streams == [applied.experts.down_streams[0]]
+    assert applied.experts.w13_streams[0] != main
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
