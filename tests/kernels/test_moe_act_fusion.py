@@ -303,13 +303,9 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
     assert applied.sum_error < 2e-2
 
 
-def test_prefill_sized_gate_up_lora_goes_beside_the_gemm_and_is_joined(
-    classes: Any, side_at_any_size: None
-) -> None:
-    """On the CPU the side stream is the current one: the flow marks the call as beside (the
-    activation finds and joins it, `_apply` asserts it is gone) and the results hold."""
+def _spy_on_gate_up_side(experts_cls: type[StockExperts]) -> list[bool]:
+    """Per activation call from now on: whether a gate/up LoRA on the side awaited its join."""
     seen: list[bool] = []
-    experts_cls = classes[0]
     activation = experts_cls.activation
 
     def spying_activation(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -317,6 +313,16 @@ def test_prefill_sized_gate_up_lora_goes_beside_the_gemm_and_is_joined(
         activation(self, *args, **kwargs)
 
     experts_cls.activation = spying_activation
+    return seen
+
+
+def test_prefill_sized_gate_up_lora_goes_beside_the_gemm_and_is_joined(
+    classes: Any, side_at_any_size: None
+) -> None:
+    """On the CPU the side stream is the current one: the flow marks the call as beside (the
+    activation finds and joins it, `_apply` asserts it is gone) and the results hold."""
+    experts_cls = classes[0]
+    seen = _spy_on_gate_up_side(experts_cls)
     applied = _apply(experts_cls, Act.SILU)
     assert seen == [True]
     assert applied.act_error < 1e-5 and applied.sum_error < 1e-5
@@ -326,15 +332,8 @@ def test_prefill_sized_gate_up_lora_goes_beside_the_gemm_and_is_joined(
 def test_small_sharded_or_dual_stream_gate_up_lora_stays_on_the_main_stream(
     classes: Any, context: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[bool] = []
     experts_cls = classes[0]
-    activation = experts_cls.activation
-
-    def spying_activation(self: Any, *args: Any, **kwargs: Any) -> None:
-        seen.append(GATE_UP_SIDE in self.__dict__)
-        activation(self, *args, **kwargs)
-
-    experts_cls.activation = spying_activation
+    seen = _spy_on_gate_up_side(experts_cls)
     _apply(experts_cls, Act.SILU)  # few pairs
     monkeypatch.setattr(moe_lora_side_stream, "SIDE_MIN_PAIRS", 1)
     applied = _apply(experts_cls, Act.SILU, **context)
