@@ -128,7 +128,7 @@ def install(experts_cls: type, silu: object) -> None:
 
 
 def patch_triton_experts() -> None:
-    """Put the four methods on vLLM's TritonExperts, once."""
+    """Put our METHODS on vLLM's TritonExperts, once."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 

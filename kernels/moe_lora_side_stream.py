@@ -71,23 +71,39 @@ class SideDown:
 
     def join(self) -> None:
         """Make the current stream wait for the side stream's work."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.delta.device).wait_stream(self.stream)
+        _wait_for(self.stream, self.delta.device)
+
+
+def _wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
+    if stream is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _ready_event(t: torch.Tensor, pairs: int) -> tuple[bool, torch.cuda.Event | None]:
+    """(whether work on `pairs` (token, expert) pairs may go beside: not below SIDE_MIN_PAIRS,
+    not while a CUDA graph is being captured, as the side stream stays out of graphs; an event
+    on the main stream after the work queued so far, None without CUDA)."""
+    if pairs < SIDE_MIN_PAIRS:
+        return False, None
+    if not t.is_cuda:
+        return True, None
+    if torch.cuda.is_current_stream_capturing():
+        return False, None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return True, event
+
+
+def _side_allowed(lora_context: Any) -> bool:
+    """vLLM's own dual-stream option and fully sharded LoRA keep vLLM's order."""
+    return not lora_context.fully_sharded and lora_context.aux_stream is None
 
 
 def mark_ready(x: torch.Tensor) -> Ready | None:
     """SiLU-and-mul has just been queued writing x, (pairs, N): the marker apply_w2_lora looks
-    for, or None below SIDE_MIN_PAIRS or while a CUDA graph is being captured (the side stream
-    stays out of graphs)."""
-    if x.shape[0] < SIDE_MIN_PAIRS:
-        return None
-    if not x.is_cuda:
-        return Ready(x, None)
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(x.device))
-    return Ready(x, event)
+    for, or None where the work may not go beside (`_ready_event`)."""
+    beside, event = _ready_event(x, x.shape[0])
+    return Ready(x, event) if beside else None
 
 
 @dataclass(frozen=True)
@@ -99,17 +115,10 @@ class InputsReady:
 
 
 def mark_inputs_ready(hidden_states: torch.Tensor, topk_ids: torch.Tensor) -> InputsReady | None:
-    """At `apply`'s entry: the marker the gate/up LoRA call looks for, or None below
-    SIDE_MIN_PAIRS or while a CUDA graph is being captured."""
-    if topk_ids.numel() < SIDE_MIN_PAIRS:
-        return None
-    if not hidden_states.is_cuda:
-        return InputsReady(None)
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(hidden_states.device))
-    return InputsReady(event)
+    """At `apply`'s entry: the marker the gate/up LoRA call looks for, or None where the work
+    may not go beside (`_ready_event`)."""
+    beside, event = _ready_event(hidden_states, topk_ids.numel())
+    return InputsReady(event) if beside else None
 
 
 @dataclass(frozen=True)
@@ -121,8 +130,7 @@ class SideGateUp:
     device: torch.device
 
     def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        _wait_for(self.stream, self.device)
 
 
 @contextlib.contextmanager
@@ -133,7 +141,7 @@ def gate_up_beside(
     stream, after `apply`'s inputs are ready and beside the base gate/up GEMM, where `inputs`
     marks a prefill-sized call that qualifies. Yields (the launched side work or None, the hook
     a write of the GEMM's output must call first: the side stream then waits for the GEMM)."""
-    if inputs is None or lora_context.fully_sharded or lora_context.aux_stream is not None:
+    if inputs is None or not _side_allowed(lora_context):
         yield None, None
         return
     if inputs.event is None:
@@ -171,8 +179,7 @@ def _goes_beside(ready: Ready | None, lora_context: Any, call: dict[str, Any]) -
         and ready.x is call["x"]
         and call.get("add_inputs", True)
         and call.get("token_lora_mapping") is not None
-        and not lora_context.fully_sharded
-        and lora_context.aux_stream is None
+        and _side_allowed(lora_context)
     )
 
 
