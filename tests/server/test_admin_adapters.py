@@ -249,12 +249,17 @@ def _worst_gaps(streams: list[list[float]], start: float, end: float) -> list[li
 
 def _wait_for_slow_bodies(cluster: Cluster, blobs: set[str], deadline: float) -> float | None:
     """When the proxy sent the last byte of the slowed bodies of all `blobs` (the adapter's file
-    hashes, which name its objects); None if that had not happened by the deadline."""
+    hashes, which name its objects); None if that had not happened by the deadline.
+
+    The clock is read before the proxy's state, never after: in CI (2026-11-22) a state read 35 s
+    into the window reached this process only after the 105 s deadline, and the wait ended on it
+    although the proxy had sent the last blob at 35.5 s."""
     while True:
+        expired = time.monotonic() > deadline
         sent = {b.name: b for b in cluster.proxy.slow_bodies}
         if blobs <= sent.keys():
             return max(sent[h].sent for h in blobs)
-        if time.monotonic() > deadline:
+        if expired:
             return None
         time.sleep(0.25)
 

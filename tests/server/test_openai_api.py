@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -295,21 +296,26 @@ def test_overload_is_503(embedded_server: ServerProcess, aclient: openai.AsyncOp
 
 def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess) -> None:
     url = embedded_server.base_url
+    # 2000 tokens take ~190 s here (95 ms each, single stream, 2026-11-23): the request is still
+    # running when the client leaves, even after a stall of this process like the 70 s CI saw.
     body = {
         "model": BASE,
         "prompt": "Count:",
-        "max_tokens": 1000,
+        "max_tokens": 2000,
         "stream": True,
         "ignore_eos": True,
     }
+    ran_to_length = _finished_by_length(url)
     with (
         httpx.Client(timeout=30) as http,
         http.stream("POST", url + "/v1/completions", json=body) as r,
     ):
+        opened = time.monotonic()
         lines = r.iter_lines()
         seen = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: ") for line in seen)
-        assert httpx.get(url + "/health").json()["engine"]["unfinished_requests"] == 1
+        assert all(line.startswith('data: {"id"') for line in seen[::2]), seen  # tokens, no error
+        unfinished = httpx.get(url + "/health").json()["engine"]["unfinished_requests"]
+        assert unfinished == 1, (seen, f"{time.monotonic() - opened:.1f} s after the first byte")
     # The connection is closed mid-stream; the engine must drop the request.
     for _ in range(100):
         health = httpx.get(url + "/health").json()
@@ -319,10 +325,19 @@ def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess)
     assert health["engine"]["unfinished_requests"] == 0
     assert health["dispatcher"] == {"running": 0, "queued": 0}
     assert _vllm_gauge(url, "vllm:num_requests_running") == 0
+    assert _finished_by_length(url) == ran_to_length  # dropped, not run to its 2000 tokens
     after = httpx.post(
         url + "/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 3}
     ).json()
     assert after["usage"]["completion_tokens"] == 3
+
+
+def _finished_by_length(url: str) -> float:
+    """vLLM's count of requests that ended by reaching max_tokens."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="length"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:request_success_total{finished_reason=length} is not exported")
 
 
 def _vllm_gauge(url: str, name: str) -> float:
