@@ -141,9 +141,14 @@ def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Respon
 
 
 def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for check() to hold. The last check starts after the timeout, so a stall of this
+    process (see _wait_for_slow_bodies) cannot fail the wait on an answer from before it."""
     deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
+    while True:
+        expired = time.monotonic() > deadline
+        if check():
+            return
+        if expired:
             raise AssertionError("condition not met in time")
         time.sleep(0.2)
 
