@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import httpx
@@ -31,6 +31,7 @@ from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
 from tests.support.s3_rig import S3Rig
 from tests.support.server_process import REPO, ServerProcess
 
+T = TypeVar("T")
 TOKEN = "test-admin-token"
 BASE_MODEL = "SmolLM2-135M-Instruct"
 BUCKET = "loraplex-e2e"
@@ -140,17 +141,24 @@ def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Respon
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
-def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for check() to hold. The last check starts after the timeout, so a stall of this
-    process (see _wait_for_slow_bodies) cannot fail the wait on an answer from before it."""
+def poll(read: Callable[[], T | None], timeout: float, interval: float = 0.2) -> T | None:
+    """read()'s first answer that is not None, or None once `timeout` has passed. The clock is
+    read before each read(), so the last read starts after the timeout: in CI (2026-11-22) an
+    answer read 35 s into a 105 s wait reached the test only after the deadline, and a wait that
+    read the clock after read() gave up on that stale answer."""
     deadline = time.monotonic() + timeout
     while True:
         expired = time.monotonic() > deadline
-        if check():
-            return
+        if (answer := read()) is not None:
+            return answer
         if expired:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.2)
+            return None
+        time.sleep(interval)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    if poll(lambda: True if check() else None, timeout) is None:
+        raise AssertionError("condition not met in time")
 
 
 def sees(server: ServerProcess, name: str) -> bool:
@@ -252,21 +260,11 @@ def _worst_gaps(streams: list[list[float]], start: float, end: float) -> list[li
     return sorted(gaps, key=lambda g: -g[1])[:4]
 
 
-def _wait_for_slow_bodies(cluster: Cluster, blobs: set[str], deadline: float) -> float | None:
+def _slow_bodies_sent(cluster: Cluster, blobs: set[str]) -> float | None:
     """When the proxy sent the last byte of the slowed bodies of all `blobs` (the adapter's file
-    hashes, which name its objects); None if that had not happened by the deadline.
-
-    The clock is read before the proxy's state, never after: in CI (2026-11-22) a state read 35 s
-    into the window reached this process only after the 105 s deadline, and the wait ended on it
-    although the proxy had sent the last blob at 35.5 s."""
-    while True:
-        expired = time.monotonic() > deadline
-        sent = {b.name: b for b in cluster.proxy.slow_bodies}
-        if blobs <= sent.keys():
-            return max(sent[h].sent for h in blobs)
-        if expired:
-            return None
-        time.sleep(0.25)
+    hashes, which name its objects); None while some are not sent."""
+    sent = {b.name: b for b in cluster.proxy.slow_bodies}
+    return max(sent[h].sent for h in blobs) if blobs <= sent.keys() else None
 
 
 def _fetch_diagnosis(cluster: Cluster, since: float) -> str:
@@ -369,7 +367,7 @@ def test_cold_adapter_under_slow_s3_keeps_other_streams_itl(cluster: Cluster) ->
             # blobs (other slowed bodies, a repeated GET of one file, say, do not end it early):
             # watched here rather than by polling the server's admin API, whose calls
             # would share the 2 cores with the streams being measured.
-            on_disk = _wait_for_slow_bodies(cluster, blobs, time.monotonic() + 3 * WINDOW_S)
+            on_disk = poll(lambda: _slow_bodies_sent(cluster, blobs), 3 * WINDOW_S, 0.25)
             diagnosis = "" if on_disk else _fetch_diagnosis(cluster, time.monotonic())
         finally:
             cluster.proxy.slow(None)

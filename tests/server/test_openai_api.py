@@ -11,12 +11,14 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from tests.support.server_process import ServerProcess
 
 BASE = "SmolLM2-135M-Instruct"
 ADAPTERS = ("demo-attn", "demo-mlp")
+FINISHED = "vllm:request_success_total"  # vLLM's count of ended requests, by finished_reason
 QUESTION = [{"role": "user", "content": "Write a haiku about the sea."}]
 
 
@@ -305,7 +307,7 @@ def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess)
         "stream": True,
         "ignore_eos": True,
     }
-    ran_to_length = _finished_by_length(url)
+    ran_to_length = _sample(url, FINISHED, finished_reason="length")
     with (
         httpx.Client(timeout=30) as http,
         http.stream("POST", url + "/v1/completions", json=body) as r,
@@ -325,28 +327,29 @@ def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess)
     assert health["engine"]["unfinished_requests"] == 0
     assert health["dispatcher"] == {"running": 0, "queued": 0}
     assert _vllm_gauge(url, "vllm:num_requests_running") == 0
-    assert _finished_by_length(url) == ran_to_length  # dropped, not run to its 2000 tokens
+    # dropped, not run to its 2000 tokens
+    assert _sample(url, FINISHED, finished_reason="length") == ran_to_length
     after = httpx.post(
         url + "/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 3}
     ).json()
     assert after["usage"]["completion_tokens"] == 3
 
 
-def _finished_by_length(url: str) -> float:
-    """vLLM's count of requests that ended by reaching max_tokens."""
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("vllm:request_success_total{") and 'finished_reason="length"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("vllm:request_success_total{finished_reason=length} is not exported")
+def _sample(url: str, name: str, **labels: str) -> float:
+    """The value of sample `name` on the server's /metrics whose labels include `labels`."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    raise AssertionError(f"{name} {labels} is not exported")
 
 
 def _vllm_gauge(url: str, name: str) -> float:
+    """The gauge's value once it is 0, or its last value after 10 s."""
     for _ in range(50):
-        for line in httpx.get(url + "/metrics").text.splitlines():
-            if line.startswith(name + "{"):
-                value = float(line.rsplit(" ", 1)[1])
-                if value == 0:
-                    return value
+        value = _sample(url, name)
+        if value == 0:
+            return value
         asyncio.run(asyncio.sleep(0.2))
     return value
 
