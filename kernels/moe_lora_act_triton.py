@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .moe_lora_triton import (
     _BATCH_ARGS,
+    _active_slots,
     _load_b,
     _locate_unit,
     _output_tile,
@@ -64,10 +65,8 @@ def _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, 
     """Whether a LoRA program covers each pair: the rule of `_resolve_unit`, per pair. Its
     slot is loaded and enabled; in the sorted form the slot is among the active ids (the align
     sorted all of an active slot's pairs), in the naive form the pair has an expert."""
-    slots = tl.load(tlm_ptr + pairs // top_k, mask=pmask, other=-1)
-    ok = pmask & (slots >= 0) & (slots < max_loras)
-    safe = tl.where(ok, slots, 0)
-    ok = ok & (tl.load(enabled_ptr + safe, mask=ok, other=0) != 0)
+    safe, ok = _active_slots(tl.load(tlm_ptr + pairs // top_k, mask=pmask, other=-1),
+                             enabled_ptr, max_loras)  # fmt: skip
     if SORTED:
         offs = tl.arange(0, LORA_PAD)
         ids = tl.load(lora_ids_ptr + offs, mask=offs < lora_dim, other=-1)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_lora_triton import _active_slots
+
 # Tokens x columns per program: 4 x 512 bf16 is 16 bytes per thread per load on 4 warps.
 BLOCK_TOKENS = 4
 BLOCK_COLS = 512
@@ -42,9 +44,7 @@ def moe_sum_with_delta_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_rows = rows < num_tokens
     mask = in_rows[:, None] & (cols < hidden)[None, :]
-    slot = tl.load(tlm_ptr + rows, mask=in_rows, other=-1)
-    on = (slot >= 0) & (slot < max_loras)
-    on = on & (tl.load(enabled_ptr + tl.where(on, slot, 0), mask=on, other=0) != 0)
+    _, on = _active_slots(tl.load(tlm_ptr + rows, mask=in_rows, other=-1), enabled_ptr, max_loras)
     delta_mask = mask & on[:, None]
     rows64 = rows.to(tl.int64)[:, None]
     experts = experts_ptr + rows64 * stride_et + cols[None, :]

@@ -34,6 +34,18 @@ _BATCH_ARGS = [
 
 
 @triton.jit
+def _active_slots(slots, enabled_ptr, max_loras):
+    """(slots, active) for adapter slot ids read from a mapping (-1, or a masked load's other=-1,
+    for none): active where the id is one of the max_loras slots and its adapter is enabled.
+    Inactive ids come back as 0, so they index without a mask. The one rule for "this token has
+    a LoRA", shared by the op, the fused activation and the sum with the delta."""
+    active = (slots >= 0) & (slots < max_loras)
+    slots = tl.where(active, slots, 0)
+    active = active & (tl.load(enabled_ptr + slots, mask=active, other=0) != 0)
+    return slots, active
+
+
+@triton.jit
 def _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim, max_loras, num_m_blocks,
                  BLOCK_M: tl.constexpr, LORA_PAD: tl.constexpr):  # fmt: skip
     """Map a compact unit index onto (slot, block, valid) in the sorted form (block 0 if not).
@@ -43,10 +55,8 @@ def _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim, max_loras,
     padding (at 16 x 1600 tokens, 30k programs for 4.4k real blocks).
     """
     offs = tl.arange(0, LORA_PAD)
-    slots = tl.load(lora_ids_ptr + offs, mask=offs < lora_dim, other=-1)
-    ok = (slots >= 0) & (slots < max_loras)
-    slots = tl.where(ok, slots, 0)
-    ok = ok & (tl.load(enabled_ptr + slots, mask=ok, other=0) != 0)
+    slots, ok = _active_slots(tl.load(lora_ids_ptr + offs, mask=offs < lora_dim, other=-1),
+                              enabled_ptr, max_loras)  # fmt: skip
     used = tl.load(ntpp_ptr + slots, mask=ok, other=0)
     blocks = tl.where(ok, tl.minimum(tl.cdiv(used, BLOCK_M), num_m_blocks), 0)
     ends = tl.cumsum(blocks, 0)
@@ -70,10 +80,7 @@ def _locate_unit(unit, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_
         expert = tl.load(expert_ids_ptr + slot * stride_el + blk)
     else:
         blk = unit
-        slot = tl.load(tlm_ptr + unit // top_k)
-        valid = (slot >= 0) & (slot < max_loras)
-        slot = tl.where(valid, slot, 0)
-        valid = valid & (tl.load(enabled_ptr + slot) != 0)
+        slot, valid = _active_slots(tl.load(tlm_ptr + unit // top_k), enabled_ptr, max_loras)
         expert = tl.load(expert_ids_ptr + unit)
     valid = valid & (expert >= 0)
     return slot, blk, tl.where(valid, expert, 0), valid.to(tl.int32)

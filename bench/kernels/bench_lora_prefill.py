@@ -4,15 +4,19 @@
   `moe_lora_align_block_size` CUDA op, at Qwen3-30B-A3B (128 experts, top-8) and GPT-OSS-20B
   (32 experts, top-4) routing;
 - dense: attention LoRA (qkv, o) by our tiled kernels (`lora_dense_tiled`) and by vLLM's
-  `_lora_shrink` + `_lora_expand`, both on vLLM's own `LoRAKernelMeta`.
+  `_lora_shrink` + `_lora_expand`, both on vLLM's own `LoRAKernelMeta`;
+- sum: the experts' outputs summed per token with the side-stream down LoRA's deltas
+  (`moe_lora_sum.moe_sum_with_delta`, two (T, k, H) buffers) beside vLLM's `moe_sum` of one
+  buffer, the op it replaces: not the same work, so the row reports each over its own floor.
 
-    PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_lora_prefill.py --commit SHA --out DIR
+    PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_lora_prefill.py --commit SHA --out DIR \
+        [--parts align dense sum]
 
 Batches are 16 requests in runs of equal length, round robin over 8 rank-32 adapter slots (the
 issue 6 workload's mapping). Times are medians per call in CUDA-graph replay, ours and vLLM's
 replayed in turn (`time_interleaved`); the dense floor is x read once plus y read and written
-once, over the copy rate measured in the same run. Writes JSON rows (machine, commit, config)
-and prints a table.
+once, over the copy rate measured in the same run; a sum's floor is its buffers read once and
+the output written once. Writes JSON rows (machine, commit, config) and prints a table.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 from pathlib import Path
 
 import torch
-import vllm._custom_ops  # noqa: F401  (loads torch.ops._moe_C)
+import vllm._custom_ops  # loads torch.ops._moe_C; its moe_sum is what ours replaces
 from vllm.lora.ops.triton_ops import LoRAKernelMeta
 from vllm.lora.ops.triton_ops.lora_expand_op import _lora_expand
 from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
@@ -31,6 +35,7 @@ from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_reference import sorted_form_size
+from loraplex.kernels.moe_lora_sum import moe_sum_with_delta
 from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_interleaved
 
 SLOTS, RANK, REQUESTS = 8, 32, 16
@@ -41,8 +46,10 @@ DENSE = {  # layer: (K, slice widths)
     "gpt-oss-20b qkv": (2880, [4096, 512, 512]),
     "gpt-oss-20b o": (4096, [2880]),
 }
+SUM = {"qwen3-30b-a3b": (2048, 8), "gpt-oss-20b": (2880, 4)}  # hidden, top-k
 ALIGN_TOKENS = (64, 256, 512, 1024, 4096, 16384)
 DENSE_TOKENS = (128, 1024, 4096, 16384)
+SUM_TOKENS = (9216, 16384)  # the e2e workload's prefill steps
 
 
 def slot_mapping(tokens: int) -> torch.Tensor:
@@ -126,21 +133,58 @@ def bench_dense(layer: str, tokens: int, bw: float) -> dict:
             "ours_over_floor": ours_us / floor_us, "rel_err_vs_vllm": err}  # fmt: skip
 
 
+def bench_sum(name: str, tokens: int, bw: float) -> dict:
+    hidden, top_k = SUM[name]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    experts_out, delta = (torch.randn(tokens, top_k, hidden, device="cuda", generator=gen)
+                          .to(torch.bfloat16) for _ in range(2))  # fmt: skip
+    enabled = torch.ones(SLOTS + 1, dtype=torch.int32, device="cuda")
+    out_theirs = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    out_ours = torch.empty_like(out_theirs)
+    theirs = functools.partial(vllm._custom_ops.moe_sum, experts_out, out_theirs)
+    ours = functools.partial(moe_sum_with_delta, experts_out, delta, slot_mapping(tokens),
+                             enabled, SLOTS, out_ours)  # fmt: skip
+    theirs()
+    ours()
+    want = (experts_out.float() + delta.float()).sum(dim=1)
+    err = float((out_ours.float() - want).norm() / want.norm())
+    vllm_us, ours_us = time_interleaved([[theirs], [ours]])
+    out_bytes = out_ours.numel() * 2
+    vllm_floor_us = (experts_out.numel() * 2 + out_bytes) / bw * 1e6
+    floor_us = (2 * experts_out.numel() * 2 + out_bytes) / bw * 1e6
+    return {"part": "sum", "shape": name, "tokens": tokens, "vllm_us": vllm_us,
+            "ours_us": ours_us, "speedup": vllm_us / ours_us, "floor_us": floor_us,
+            "ours_over_floor": ours_us / floor_us, "vllm_over_its_floor": vllm_us / vllm_floor_us,
+            "rel_err_vs_fp32": err}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", nargs="+", choices=["align", "dense", "sum"],
+                        default=["align", "dense", "sum"])  # fmt: skip
     ns = parser.parse_args()
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    rows = [bench_align(name, t) for name in ROUTING for t in ALIGN_TOKENS]
-    rows += [bench_dense(layer, t, bw) for layer in DENSE for t in DENSE_TOKENS]
+    rows = []
+    if "align" in ns.parts:
+        rows += [bench_align(name, t) for name in ROUTING for t in ALIGN_TOKENS]
+    if "dense" in ns.parts:
+        rows += [bench_dense(layer, t, bw) for layer in DENSE for t in DENSE_TOKENS]
+    if "sum" in ns.parts:
+        rows += [bench_sum(name, t, bw) for name in SUM for t in SUM_TOKENS]
     for row in rows:
         row.update(machine=gpu, commit=ns.commit, copy_tb_s=bw / 1e12, rank=RANK, slots=SLOTS,
                    dtype="bfloat16")  # fmt: skip
         if row["part"] == "align":
             extra = f"agrees {row['agrees_with_vllm']}"
+        elif row["part"] == "sum":
+            extra = (
+                f"ours/floor {row['ours_over_floor']:5.2f} vllm/its floor "
+                f"{row['vllm_over_its_floor']:5.2f} err {row['rel_err_vs_fp32']:.1e}"
+            )
         else:
             extra = f"ours/floor {row['ours_over_floor']:5.2f} err {row['rel_err_vs_vllm']:.1e}"
         print(f"{row['part']:5s} {row['shape']:18s} T={row['tokens']:6d} vllm "
