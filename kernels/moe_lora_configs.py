@@ -21,6 +21,8 @@ from typing import Literal
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 Variant = Literal["split", "fused", "stock"]
+# ptxas's bounds on a per-thread register cap on sm_90.
+MIN_REGISTERS, MAX_REGISTERS = 24, 255
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class MoeLoraConfig:
     # more programs per SM) and expand_tiles adjacent N tiles, loading the next while it stores.
     expand_parts: int = 1
     expand_tiles: int = 1
+    # A cap on registers per thread (ptxas's maxnreg) for the op's kernels (shrink and expand, or
+    # the fused kernel); None leaves the compiler's choice. A program of 4 warps that uses just
+    # over 128 registers fits one fewer per SM than one held to 128.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         parts = self.expand_parts
@@ -48,6 +54,16 @@ class MoeLoraConfig:
             raise ValueError(f"expand_parts must be a power of 2 >= 1, got {parts}")
         if self.expand_tiles < 1:
             raise ValueError(f"expand_tiles must be >= 1, got {self.expand_tiles}")
+        regs = self.max_registers
+        if regs is not None and not MIN_REGISTERS <= regs <= MAX_REGISTERS:
+            raise ValueError(
+                f"max_registers must be between {MIN_REGISTERS} and {MAX_REGISTERS}, got {regs}"
+            )
+
+    def launch_options(self) -> dict[str, int]:
+        """Triton launch options: warps, and the register cap where one is set."""
+        regs = {} if self.max_registers is None else {"maxnreg": self.max_registers}
+        return {"num_warps": self.num_warps} | regs
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

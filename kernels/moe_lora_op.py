@@ -198,8 +198,8 @@ def fused_moe_lora(
             TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
             BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
             NPID=config.npid, EVEN_K=k % config.block_k == 0, MUL_ROUTED_WEIGHT=mul_routed_weight,
-            ADD_INPUTS=add_inputs, FUSE_SLICES=fuse_slices, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            ADD_INPUTS=add_inputs, FUSE_SLICES=fuse_slices, num_stages=config.num_stages,
+            **config.launch_options(),
         )  # fmt: skip
         return
     ws_rows = block_m if sorted_form else 1
@@ -215,7 +215,7 @@ def fused_moe_lora(
         TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
         BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
         EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
-        FUSE_SLICES=fuse_slices, num_warps=config.num_warps, num_stages=config.num_stages,
+        FUSE_SLICES=fuse_slices, num_stages=config.num_stages, **config.launch_options(),
         **pdl_kwargs,
     )  # fmt: skip
     expand = SplitExpand(
@@ -281,8 +281,8 @@ class SplitExpand:
             BLOCK_R=self.block_r, RANK=self.rank, BLOCK_N=config.block_n,
             SPLIT_K=config.split_k, WS_ROWS=self.ws_rows, SLICES=slices, PARTS=self.parts,
             TILES=config.expand_tiles, MUL_ROUTED_WEIGHT=self.mul_routed_weight,
-            ADD_INPUTS=self.add_inputs, USE_PDL=self.use_pdl, num_warps=config.num_warps,
-            num_stages=2, **pdl_kwargs,
+            ADD_INPUTS=self.add_inputs, USE_PDL=self.use_pdl, num_stages=2,
+            **config.launch_options(), **pdl_kwargs,
         )  # fmt: skip
 
 

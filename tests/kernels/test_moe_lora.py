@@ -20,9 +20,17 @@ from loraplex.kernels.moe_lora_op import UnsupportedMoeLoraCall
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32, npid=2)
 FUSED_SLICES = MoeLoraConfig("fused", block_k=32, block_n=32, fuse_slices=True)
-# Half-block expand programs over three N tiles: the last group runs past N in every case.
+# Half-block expand programs over three N tiles (the last group runs past N in every case),
+# under a register cap.
 SPLIT_SLICES = MoeLoraConfig(
-    "split", block_k=32, block_n=32, split_k=2, fuse_slices=True, expand_parts=2, expand_tiles=3
+    "split",
+    block_k=32,
+    block_n=32,
+    split_k=2,
+    fuse_slices=True,
+    expand_parts=2,
+    expand_tiles=3,
+    max_registers=128,
 )
 CONFIGS = [SPLIT, FUSED, FUSED_SLICES, SPLIT_SLICES]
 CONFIG_IDS = ["split", "fused", "fused_slices", "split_slices"]
