@@ -37,15 +37,20 @@ WORKSPACE_MAX_BYTES = 512 * 2**20
 # fastest first timing, at most FINALISTS of them.
 FINALIST_MARGIN = 1.10
 FINALISTS = 4
+# Batches of this many (token, expert) pairs or more are prefills (vLLM 0.26 captures decode
+# graphs up to 512 tokens, 4,096 pairs at top-8): their candidates add the expand tilings that
+# won there.
+PREFILL_MIN_PAIRS = 8192
 
 
 def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     """A short list (each candidate costs a compile per shape). Fused: narrow and wide N tiles,
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
-    K tiles and fewer stages (less shared memory, more programs per SM), and expands of half
-    blocks over several N tiles. Split: 1 to 16 K ranges, for gate/up a shrink that does both
-    slices at the two smallest splits (also with an expand over two N tiles), an expand over
-    two N tiles at the largest split, and expands of half blocks at the two smallest splits.
+    K tiles and fewer stages (less shared memory, more programs per SM), and expands of half or
+    quarter blocks over several N tiles, also under a register cap. Split: 1 to 16 K ranges,
+    for gate/up a shrink that does both slices at the two smallest splits (also with an expand
+    over two N tiles), an expand over two N tiles at the largest split, and expands of half
+    blocks at the two smallest splits.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -62,7 +67,8 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
     splits = [s for s in (1, 2, 4, 8, 16) if s * bk <= k]
     if num_pairs * 32 * 2 * 4 * max(splits) > WORKSPACE_MAX_BYTES:
         splits = [1]
-        both = slices == 2
+    both = slices == 2
+    if num_pairs >= PREFILL_MIN_PAIRS:
         out += [
             MoeLoraConfig("fused", 64, 128, fuse_slices=both),
             MoeLoraConfig("fused", 64, 128, num_warps=8, fuse_slices=both),
@@ -81,6 +87,20 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=8),
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=16),
         ]
+        # The same expands held to 128 registers (a program of 4 warps at 130-150 fits one more
+        # per SM). H200 at 16 x 1600 tokens: GPT-OSS down 654 -> 624 us with half blocks over
+        # 16 tiles of 64 columns (x1.06 -> x1.11 vLLM), Qwen3 down 669 -> 657 with quarter
+        # blocks (x1.14 -> x1.16). A cap of 112 was on par, 96 and 104 slower; 8-warp expands of
+        # whole blocks were 1.1-1.6x slower than these.
+        out += [
+            MoeLoraConfig("split", block_k, 128, fuse_slices=both, expand_parts=4,
+                          expand_tiles=16, max_registers=128)
+            for block_k in dict.fromkeys((64, bk))
+        ] + [
+            MoeLoraConfig("split", block_k, 64, fuse_slices=both, expand_parts=2,
+                          expand_tiles=16, max_registers=128)
+            for block_k in dict.fromkeys((64, bk))
+        ]  # fmt: skip
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
     out.append(MoeLoraConfig("split", bk, 128, split_k=splits[-1], expand_tiles=2))
