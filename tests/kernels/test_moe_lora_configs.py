@@ -34,8 +34,8 @@ def test_partial_tuning_keeps_other_pair_counts(
         ({"expand_parts": 3}, "expand_parts must be a power of 2 >= 1, got 3"),
         ({"expand_parts": 0}, "expand_parts must be a power of 2 >= 1, got 0"),
         ({"expand_tiles": 0}, "expand_tiles must be >= 1, got 0"),
-        ({"max_registers": 16}, "max_registers must be between 24 and 255, got 16"),
-        ({"max_registers": 256}, "max_registers must be between 24 and 255, got 256"),
+        ({"max_registers": 8}, "max_registers must be between 16 and 255, got 8"),
+        ({"max_registers": 256}, "max_registers must be between 16 and 255, got 256"),
     ],
 )
 def test_bad_launch_shape_names_the_field_and_bound(fields: dict, message: str) -> None:
