@@ -93,13 +93,9 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
         # blocks (x1.14 -> x1.16). A cap of 112 was on par, 96 and 104 slower; 8-warp expands of
         # whole blocks were 1.1-1.6x slower than these.
         out += [
-            MoeLoraConfig("split", block_k, 128, fuse_slices=both, expand_parts=4,
+            MoeLoraConfig("split", block_k, block_n, fuse_slices=both, expand_parts=parts,
                           expand_tiles=16, max_registers=128)
-            for block_k in dict.fromkeys((64, bk))
-        ] + [
-            MoeLoraConfig("split", block_k, 64, fuse_slices=both, expand_parts=2,
-                          expand_tiles=16, max_registers=128)
-            for block_k in dict.fromkeys((64, bk))
+            for block_n, parts in ((128, 4), (64, 2)) for block_k in dict.fromkeys((64, bk))
         ]  # fmt: skip
     for split in splits:
         out += [MoeLoraConfig("split", bk, bn, split_k=split) for bn in (64, 128)]
