@@ -397,11 +397,11 @@ def moe_lora_expand_kernel(
 
     A program owns 1/PARTS of a unit's rows, one slice and TILES adjacent N tiles; programs of
     the same rows are adjacent in launch order (N fastest, then slice), so the output rows they
-    share are read and written while their DRAM pages are open. Each program loads its next
-    output tile before it stores the current one. On the H200 at prefill (Qwen3 down
-    projection, 204,800 pairs; a sweep of variants, in the message of commit 44cacc2) took the
-    expand from 829 to 625 us; the same read-modify-write without the dot ran in 445 us, and
-    a contiguous one over the output in 396.
+    share are read and written while their DRAM pages are open. A program of several tiles
+    loads the next output tile before it stores the current one (the loop says how). This
+    tiling won a sweep on the H200 at prefill (Qwen3 down projection, 204,800 pairs; in the
+    message of commit 44cacc2): 829 -> 625 us, where the same read-modify-write without the
+    dot ran in 445 us, and a contiguous one over the output in 396.
     """
     ROWS: tl.constexpr = BLOCK_M // PARTS
     groups = tl.cdiv(tl.cdiv(N, BLOCK_N), TILES)
@@ -428,30 +428,48 @@ def moe_lora_expand_kernel(
     offs_n = group * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
     col0 = col_offset + s * N
-    # B, the output tile and the routing weights were written before the shrink let this grid
-    # launch (it first waits for the kernel before it), so they load before the wait too: the
-    # wait is then the only latency left between the shrink and the add.
-    b, out_ptrs, out_mask, prior = _tile_inputs(
-        b_base, offs_n, N, tokens, tmask, col0, out_ptr, stride_bn, stride_br, stride_om,
-        stride_on, BLOCK_R, RANK, ADD_INPUTS,
-    )  # fmt: skip
+    # The output tile and the routing weights were written before the shrink let this grid
+    # launch (it first waits for the kernel before it), so they load before the wait, and with
+    # one tile B too: the wait is then the only latency left between the shrink and the add.
+    out_ptrs, out_mask = _output_tile(tokens, tmask, offs_n, N, col0, out_ptr, stride_om,
+                                      stride_on)  # fmt: skip
+    prior = _load_prior(out_ptrs, out_mask, ADD_INPUTS)
     weights = _routing_weights(topk_w_ptr, tokens, tmask, MUL_ROUTED_WEIGHT)
+    cell = ws_ptr + (s * num_units + unit).to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
+    offs_m = part * ROWS + tl.arange(0, ROWS)
+    if TILES == 1:
+        b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
+        tmp = _partials_after(cell, offs_m, tmask, SPLIT_K, WS_ROWS, BLOCK_R, ROWS, USE_PDL)
+        _store_sum(tl.dot(tmp.to(b.dtype), b), prior, weights, out_ptrs, out_mask,
+                   MUL_ROUTED_WEIGHT)  # fmt: skip
+    else:
+        tmp = _partials_after(cell, offs_m, tmask, SPLIT_K, WS_ROWS, BLOCK_R, ROWS, USE_PDL)
+        tmp = tmp.to(b_base.dtype.element_ty)
+        # A loop the compiler keeps (range, not static_range), so that its pipeliner loads B
+        # tiles ahead into shared memory (num_stages), while the next output tile is loaded
+        # here and carried: it moves into the dot's layout (through shared memory) at the next
+        # iteration's start. Unrolled, that move followed each load at once and waited for it,
+        # so the prefetch hid nothing. H200, 25,600 tokens: Qwen3 down 652.9 -> 612.4 us
+        # (x1.16 -> x1.24 vLLM), GPT-OSS down 627.0 -> 588.7; the side stream's overwriting
+        # down expand at 16,384 / 9,216 tokens 296 -> 279 / 201 -> 188. In one-tile programs
+        # this form loads B after the wait: gate/up at prefill took 7% longer, hence the split.
+        for i in range(TILES):
+            b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
+            next_n = offs_n + BLOCK_N
+            next_ptrs, next_mask = _output_tile(tokens, tmask, next_n, N, col0, out_ptr,
+                                                stride_om, stride_on)  # fmt: skip
+            next_prior = _load_prior(next_ptrs, next_mask & (i + 1 < TILES), ADD_INPUTS)
+            _store_sum(tl.dot(tmp, b), prior, weights, out_ptrs, out_mask, MUL_ROUTED_WEIGHT)
+            offs_n, out_ptrs, out_mask, prior = next_n, next_ptrs, next_mask, next_prior
+
+
+@triton.jit
+def _partials_after(cell_ptr, offs_m, pmask, SPLIT_K: tl.constexpr, WS_ROWS: tl.constexpr,
+                    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """`_sum_partials` once the shrink that writes them is done (under PDL, a wait for it)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    cell = (s * num_units + unit).to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
-    offs_m = part * ROWS + tl.arange(0, ROWS)
-    tmp = _sum_partials(ws_ptr + cell, offs_m, tmask, SPLIT_K, WS_ROWS, BLOCK_R, ROWS)
-    tmp = tmp.to(b.dtype)
-    for i in tl.static_range(TILES):
-        if i + 1 < TILES:
-            next_n = offs_n + BLOCK_N
-            next_b, next_ptrs, next_mask, next_prior = _tile_inputs(
-                b_base, next_n, N, tokens, tmask, col0, out_ptr, stride_bn, stride_br,
-                stride_om, stride_on, BLOCK_R, RANK, ADD_INPUTS,
-            )  # fmt: skip
-        _store_sum(tl.dot(tmp, b), prior, weights, out_ptrs, out_mask, MUL_ROUTED_WEIGHT)
-        if i + 1 < TILES:
-            offs_n, b, out_ptrs, out_mask, prior = next_n, next_b, next_ptrs, next_mask, next_prior
+    return _sum_partials(cell_ptr, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, ROWS)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)

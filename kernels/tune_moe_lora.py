@@ -86,6 +86,11 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
             # and 322 for the best fused variant, which then prefetched its next N tile).
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=8),
             MoeLoraConfig("split", 64, 128, fuse_slices=both, expand_parts=4, expand_tiles=16),
+            # Half blocks over 8 tiles of 128 or 16 of 64 columns: with the expand's tile loop
+            # pipelined (moe_lora_expand_kernel), GPT-OSS down at 16 x 1600 tokens took 589 us
+            # over 16 tiles of 64 (x1.18 vLLM) where one tile had taken 654.
+            MoeLoraConfig("split", bk, 128, fuse_slices=both, expand_parts=2, expand_tiles=8),
+            MoeLoraConfig("split", bk, 64, fuse_slices=both, expand_parts=2, expand_tiles=16),
         ]
         # The same expands held to 128 registers (a program of 4 warps at 130-150 fits one more
         # per SM). H200 at 16 x 1600 tokens: GPT-OSS down 654 -> 624 us with half blocks over
