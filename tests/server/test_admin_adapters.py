@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import boto3
 import httpx
@@ -28,10 +28,10 @@ import pytest
 
 from loraplex.adapters_registry.disk_cache import sha256_file
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
+from tests.support.polling import poll, wait_until
 from tests.support.s3_rig import S3Rig
 from tests.support.server_process import REPO, ServerProcess
 
-T = TypeVar("T")
 TOKEN = "test-admin-token"
 BASE_MODEL = "SmolLM2-135M-Instruct"
 BUCKET = "loraplex-e2e"
@@ -141,23 +141,8 @@ def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Respon
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
-def poll(read: Callable[[], T | None], timeout: float, interval: float = 0.2) -> T | None:
-    """read()'s first answer that is not None, or None once `timeout` has passed. The clock is
-    read before each read(), so the last read starts after the timeout: in CI (2026-11-22) an
-    answer read 35 s into a 105 s wait reached the test only after the deadline, and a wait that
-    read the clock after read() gave up on that stale answer."""
-    deadline = time.monotonic() + timeout
-    while True:
-        expired = time.monotonic() > deadline
-        if (answer := read()) is not None:
-            return answer
-        if expired:
-            return None
-        time.sleep(interval)
-
-
 def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    if poll(lambda: True if check() else None, timeout) is None:
+    if not wait_until(check, timeout):
         raise AssertionError("condition not met in time")
 
 

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
 
+from tests.support.polling import wait_until
 from tests.support.server_process import ServerProcess
 
 
@@ -53,11 +53,7 @@ def test_engine_death_is_reported_unhealthy(model_dir_server: ServerProcess) -> 
     assert cores, "no vLLM engine-core process found under the server"
     for core in cores:
         core.kill()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if httpx.get(url + "/health").status_code == 503:
-            break
-        time.sleep(0.2)
+    wait_until(lambda: httpx.get(url + "/health").status_code == 503, 30)
     assert httpx.get(url + "/health").status_code == 503
     assert httpx.get(url + "/ready").status_code == 503
     reply = httpx.post(

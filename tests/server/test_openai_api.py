@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from tests.support.polling import wait_until
 from tests.support.server_process import ServerProcess
 
 BASE = "SmolLM2-135M-Instruct"
@@ -319,11 +320,8 @@ def test_client_disconnect_aborts_engine_request(embedded_server: ServerProcess)
         unfinished = httpx.get(url + "/health").json()["engine"]["unfinished_requests"]
         assert unfinished == 1, (seen, f"{time.monotonic() - opened:.1f} s after the first byte")
     # The connection is closed mid-stream; the engine must drop the request.
-    for _ in range(100):
-        health = httpx.get(url + "/health").json()
-        if health["engine"]["unfinished_requests"] == 0 and health["dispatcher"]["running"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
+    wait_until(lambda: _idle(httpx.get(url + "/health").json()), 10, 0.1)
+    health = httpx.get(url + "/health").json()
     assert health["engine"]["unfinished_requests"] == 0
     assert health["dispatcher"] == {"running": 0, "queued": 0}
     assert _vllm_gauge(url, "vllm:num_requests_running") == 0
@@ -344,14 +342,14 @@ def _sample(url: str, name: str, **labels: str) -> float:
     raise AssertionError(f"{name} {labels} is not exported")
 
 
+def _idle(health: dict) -> bool:
+    return health["engine"]["unfinished_requests"] == 0 and health["dispatcher"]["running"] == 0
+
+
 def _vllm_gauge(url: str, name: str) -> float:
-    """The gauge's value once it is 0, or its last value after 10 s."""
-    for _ in range(50):
-        value = _sample(url, name)
-        if value == 0:
-            return value
-        asyncio.run(asyncio.sleep(0.2))
-    return value
+    """The gauge's value once it is 0, or its value after 10 s."""
+    wait_until(lambda: _sample(url, name) == 0, 10)
+    return _sample(url, name)
 
 
 def test_health_and_ready(embedded_server: ServerProcess) -> None:

@@ -29,6 +29,7 @@ from bench.loadgen.server import ADMIN_TOKEN, LiveServer, free_port, live_server
 from bench.loadgen.workload import Workload
 from loraplex.server.metrics import OTPS_BUCKETS, TTFT_BUCKETS
 from loraplex.server.settings import default_cache_dir
+from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -70,18 +71,18 @@ def prometheus(target: str, workdir: Path) -> Iterator[str]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        else:
+        if not wait_until(lambda: _ready(url), 60, 0.3):
             raise RuntimeError((workdir / "prometheus.log").read_text()[-3000:])
         yield url
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def _ready(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+    return False
 
 
 def query(prom: str, expr: str) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ import pytest
 
 from bench.loadgen.server import ADMIN_TOKEN, LiveServer, live_server
 from loraplex.server.settings import default_cache_dir
+from tests.support.polling import wait_until
 
 ACME_KEY = "acme-key-for-tests-0123456789"
 GLOBEX_KEY = "globex-key-for-tests-0123456789"
@@ -236,9 +237,7 @@ def test_full_queue_is_503_and_cancelled_queued_requests_never_reach_the_engine(
 
     status = asyncio.run(scenario())
     assert status == 503
-    deadline = time.monotonic() + 10
-    while _metric(server, "loraplex_requests_queued") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: _metric(server, "loraplex_requests_queued") == 0, 10)
     assert _metric(server, "loraplex_requests_queued") == 0
     assert _metric(server, "loraplex_requests_running") == 0
     assert _metric(server, "vllm:prompt_tokens_total") - prompt_before == 2 * 7

@@ -11,10 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.support.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,18 +64,19 @@ class ServerProcess:
             cwd=REPO,
             start_new_session=True,  # so kill() reaches vLLM's engine-core child too
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.base_url + self.ready_path, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if wait_until(self._ready, timeout, 0.5):
+            return self
         self.stop()
         raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        """Whether the server answers its ready path; raises if it has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            return httpx.get(self.base_url + self.ready_path, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
