@@ -93,10 +93,10 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
             MoeLoraConfig("split", bk, 64, fuse_slices=both, expand_parts=2, expand_tiles=16),
         ]
         # The same expands held to 128 registers (a program of 4 warps at 130-150 fits one more
-        # per SM). H200 at 16 x 1600 tokens: GPT-OSS down 654 -> 624 us with half blocks over
-        # 16 tiles of 64 columns (x1.06 -> x1.11 vLLM), Qwen3 down 669 -> 657 with quarter
-        # blocks (x1.14 -> x1.16). A cap of 112 was on par, 96 and 104 slower; 8-warp expands of
-        # whole blocks were 1.1-1.6x slower than these.
+        # per SM). H200 at 16 x 1600 tokens, before the expand's tile loop was pipelined:
+        # GPT-OSS down 654 -> 624 us with half blocks over 16 tiles of 64 columns (x1.06 ->
+        # x1.11 vLLM), Qwen3 down 669 -> 657 with quarter blocks (x1.14 -> x1.16). A cap of 112
+        # was on par, 96 and 104 slower; 8-warp expands of whole blocks were 1.1-1.6x slower.
         out += [
             MoeLoraConfig("split", block_k, block_n, fuse_slices=both, expand_parts=parts,
                           expand_tiles=16, max_registers=128)
