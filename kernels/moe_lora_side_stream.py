@@ -8,10 +8,9 @@ Each LoRA waits for its GEMM, though it needs only the GEMM's input. In the H200
 
 The down LoRA: SiLU-and-mul marks its output ready (`mark_ready`, an event on the main stream);
 `apply_w2_lora`, called once the base down GEMM is queued, runs vLLM's own down LoRA on a side
-stream that waits for that event only, into a delta buffer (add_inputs=False), then sums each
-token's deltas there too; `moe_sum` waits for the side stream and adds that sum to the experts'
-outputs (`moe_lora_sum`). The base GEMM is queued before the LoRA's host work, so the GPU does
-not wait for that work.
+stream that waits for that event only, into a delta buffer (add_inputs=False); `moe_sum` waits
+for the side stream and sums the experts' outputs and the deltas in one pass (`moe_lora_sum`).
+The base GEMM is queued before the LoRA's host work, so the GPU does not wait for that work.
 
 The gate/up LoRA: `apply` marks its inputs ready at its entry (`mark_inputs_ready`), before it
 queues the base gate/up GEMM; the gate/up LoRA call (vLLM's routing of the LoRA pairs and our
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .moe_lora_sum import moe_sum_with_delta, sum_delta
+from .moe_lora_sum import moe_sum_with_delta
 
 # Prefill sizes: vLLM's CUDA-graph (decode) batches stay far below this many pairs (the e2e
 # workload's prefill chunks have 73,728 and 131,072).
@@ -60,12 +59,10 @@ class Ready:
 
 @dataclass(frozen=True)
 class SideDown:
-    """A down LoRA launched on the side stream, its deltas summed per token there; holds every
-    tensor it reads until moe_sum."""
+    """A down LoRA launched on the side stream; holds every tensor it reads until moe_sum."""
 
     lora_context: Any
     call: dict[str, Any]  # vLLM's apply_w2_lora keyword arguments, y the delta
-    delta_sum: torch.Tensor  # (T, H) float32, `moe_lora_sum.sum_delta`'s
     stream: torch.cuda.Stream | None  # None without CUDA: it ran in order
 
     @property
@@ -199,19 +196,14 @@ def side_methods(
             apply_w2_lora(self, lora_context, **call)
             return
         assert ready is not None
-        # Both buffers come from the main stream's pool: moe_sum reads them there after its join.
-        delta = torch.empty_like(call["y"])
-        delta_sum = torch.empty(delta.shape[::2], dtype=torch.float32, device=delta.device)
-        side_call = {**call, "y": delta, "add_inputs": False}
+        side_call = {**call, "y": torch.empty_like(call["y"]), "add_inputs": False}
         stream = None
         if ready.event is not None:
             stream = _side_stream(ready.x.device)
             stream.wait_event(ready.event)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             apply_w2_lora(self, lora_context, **side_call)
-            sum_delta(delta, call["token_lora_mapping"], lora_context.adapter_enabled,
-                      lora_context.max_loras, delta_sum)  # fmt: skip
-        self.__dict__[LAUNCHED] = SideDown(lora_context, side_call, delta_sum, stream)
+        self.__dict__[LAUNCHED] = SideDown(lora_context, side_call, stream)
 
     def delta_adding_moe_sum(self: Any, input: torch.Tensor, output: torch.Tensor) -> None:
         side: SideDown | None = self.__dict__.pop(LAUNCHED, None)
@@ -221,7 +213,9 @@ def side_methods(
             moe_sum(self, input, output)
             return
         side.join()
-        moe_sum_with_delta(input, side.delta_sum, output)
+        context = side.lora_context
+        moe_sum_with_delta(input, side.delta, side.call["token_lora_mapping"],
+                           context.adapter_enabled, context.max_loras, output)  # fmt: skip
 
     return side_launching_apply_w2_lora, delta_adding_moe_sum
 

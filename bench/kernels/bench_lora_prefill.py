@@ -6,10 +6,8 @@
 - dense: attention LoRA (qkv, o) by our tiled kernels (`lora_dense_tiled`) and by vLLM's
   `_lora_shrink` + `_lora_expand`, both on vLLM's own `LoRAKernelMeta`;
 - sum: the experts' outputs summed per token with the side-stream down LoRA's deltas
-  (`moe_lora_sum`: the main stream's pass over the (T, k, H) outputs and the (T, H) float32
-  delta sums) beside vLLM's `moe_sum` of the outputs alone, the op it replaces on the main
-  stream: not the same work, so the row reports each over its own floor; and the side stream's
-  pass that sums the (T, k, H) deltas, over its floor.
+  (`moe_lora_sum.moe_sum_with_delta`, two (T, k, H) buffers) beside vLLM's `moe_sum` of one
+  buffer, the op it replaces: not the same work, so the row reports each over its own floor.
 
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_lora_prefill.py --commit SHA --out DIR \
         [--parts align dense sum]
@@ -37,7 +35,7 @@ from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_reference import sorted_form_size
-from loraplex.kernels.moe_lora_sum import moe_sum_with_delta, sum_delta
+from loraplex.kernels.moe_lora_sum import moe_sum_with_delta
 from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_interleaved
 
 SLOTS, RANK, REQUESTS = 8, 32, 16
@@ -143,25 +141,20 @@ def bench_sum(name: str, tokens: int, bw: float) -> dict:
     enabled = torch.ones(SLOTS + 1, dtype=torch.int32, device="cuda")
     out_theirs = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     out_ours = torch.empty_like(out_theirs)
-    delta_sum = torch.empty(tokens, hidden, device="cuda", dtype=torch.float32)
     theirs = functools.partial(vllm._custom_ops.moe_sum, experts_out, out_theirs)
-    side = functools.partial(sum_delta, delta, slot_mapping(tokens), enabled, SLOTS, delta_sum)
-    ours = functools.partial(moe_sum_with_delta, experts_out, delta_sum, out_ours)
+    ours = functools.partial(moe_sum_with_delta, experts_out, delta, slot_mapping(tokens),
+                             enabled, SLOTS, out_ours)  # fmt: skip
     theirs()
-    side()
     ours()
     want = (experts_out.float() + delta.float()).sum(dim=1)
     err = float((out_ours.float() - want).norm() / want.norm())
-    vllm_us, ours_us, side_us = time_interleaved([[theirs], [ours], [side]])
+    vllm_us, ours_us = time_interleaved([[theirs], [ours]])
     out_bytes = out_ours.numel() * 2
-    sum_bytes = delta_sum.numel() * 4
     vllm_floor_us = (experts_out.numel() * 2 + out_bytes) / bw * 1e6
-    floor_us = (experts_out.numel() * 2 + sum_bytes + out_bytes) / bw * 1e6
-    side_floor_us = (delta.numel() * 2 + sum_bytes) / bw * 1e6
+    floor_us = (2 * experts_out.numel() * 2 + out_bytes) / bw * 1e6
     return {"part": "sum", "shape": name, "tokens": tokens, "vllm_us": vllm_us,
             "ours_us": ours_us, "speedup": vllm_us / ours_us, "floor_us": floor_us,
             "ours_over_floor": ours_us / floor_us, "vllm_over_its_floor": vllm_us / vllm_floor_us,
-            "side_us": side_us, "side_over_floor": side_us / side_floor_us,
             "rel_err_vs_fp32": err}  # fmt: skip
 
 
@@ -190,8 +183,7 @@ def main() -> None:
         elif row["part"] == "sum":
             extra = (
                 f"ours/floor {row['ours_over_floor']:5.2f} vllm/its floor "
-                f"{row['vllm_over_its_floor']:5.2f} side {row['side_us']:7.1f} "
-                f"(/floor {row['side_over_floor']:4.2f}) err {row['rel_err_vs_fp32']:.1e}"
+                f"{row['vllm_over_its_floor']:5.2f} err {row['rel_err_vs_fp32']:.1e}"
             )
         else:
             extra = f"ours/floor {row['ours_over_floor']:5.2f} err {row['rel_err_vs_vllm']:.1e}"

@@ -1,6 +1,5 @@
-"""moe_sum with the down LoRA's delta (`moe_lora_sum`: the deltas summed per token, then added
-to the experts' sum) against the spec, CPU interpreter in fp32 and fp16; bf16 at prefill size
-on the device (the gpu mark)."""
+"""moe_sum with the down LoRA's delta (`moe_lora_sum`) against the spec, CPU interpreter in fp32
+and fp16; bf16 at prefill size runs in test_moe_lora_gpu.py on the device."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.kernels.moe_lora_reference import moe_sum_with_delta_reference
-from loraplex.kernels.moe_lora_sum import moe_sum_with_delta, sum_delta
+from loraplex.kernels.moe_lora_sum import moe_sum_with_delta
 
 SLOTS = 4
 
@@ -27,22 +26,6 @@ def _inputs(tokens: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int)
     return experts_out, delta, slots, enabled
 
 
-def _both_passes(
-    experts_out: torch.Tensor,
-    delta: torch.Tensor,
-    slots: torch.Tensor,
-    enabled: torch.Tensor,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Run the side pass then the main pass, as the side stream and moe_sum do; returns the
-    summed deltas."""
-    tokens, _, hidden = experts_out.shape
-    delta_sum = torch.full((tokens, hidden), 777.0, device=delta.device)
-    sum_delta(delta, slots, enabled, SLOTS, delta_sum)
-    moe_sum_with_delta(experts_out, delta_sum, out)
-    return delta_sum
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("tokens", "top_k", "hidden"),
@@ -51,21 +34,11 @@ def _both_passes(
 def test_matches_reference(dtype: torch.dtype, tokens: int, top_k: int, hidden: int) -> None:
     experts_out, delta, slots, enabled = _inputs(tokens, top_k, hidden, dtype, seed=tokens)
     out = torch.full((tokens, hidden), 777.0, dtype=dtype)
-    _both_passes(experts_out, delta, slots, enabled, out)
+    moe_sum_with_delta(experts_out, delta, slots, enabled, SLOTS, out)
     want = moe_sum_with_delta_reference(experts_out, delta, slots, enabled, SLOTS)
     assert not torch.isnan(out).any()
     tol = 1e-6 if dtype == torch.float32 else 2e-3  # fp16 rounds the sum once
     assert float((out.double() - want).norm() / want.norm()) < tol
-
-
-def test_tokens_without_an_active_slot_sum_to_zero() -> None:
-    """Their delta rows (NaN here) are never read: the side pass writes 0 for them."""
-    experts_out, delta, slots, enabled = _inputs(29, 4, 96, torch.float32, seed=5)
-    delta_sum = _both_passes(experts_out, delta, slots, enabled, torch.empty(29, 96))
-    inactive = (slots < 0) | (slots >= SLOTS) | (slots == 1)
-    assert inactive.any() and (~inactive).any()
-    assert torch.equal(delta_sum[inactive], torch.zeros_like(delta_sum[inactive]))
-    assert torch.allclose(delta_sum[~inactive], delta[~inactive].sum(dim=1), atol=1e-5)
 
 
 def test_reads_only_the_first_tokens_of_a_longer_slot_map() -> None:
@@ -73,7 +46,7 @@ def test_reads_only_the_first_tokens_of_a_longer_slot_map() -> None:
     experts_out, delta, slots, enabled = _inputs(5, 2, 16, torch.float32, seed=3)
     longer = torch.cat([slots, torch.full((11,), 2, dtype=torch.int32)])
     out = torch.empty(5, 16)
-    _both_passes(experts_out, delta, longer, enabled, out)
+    moe_sum_with_delta(experts_out, delta, longer, enabled, SLOTS, out)
     want = moe_sum_with_delta_reference(experts_out, delta, slots, enabled, SLOTS)
     assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-6)
 
@@ -81,36 +54,19 @@ def test_reads_only_the_first_tokens_of_a_longer_slot_map() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"out": torch.zeros(3, 9)}, "out"),
-        ({"out": torch.zeros(3, 8, dtype=torch.float16)}, "float32"),
+        ({"delta": torch.zeros(3, 2, 9)}, "delta"),
+        ({"output": torch.zeros(3, 9)}, "output"),
+        ({"output": torch.zeros(3, 8, dtype=torch.float16)}, "output"),
         ({"token_lora_mapping": torch.zeros(2, dtype=torch.int32)}, "fewer than"),
     ],
 )
-def test_sum_delta_refuses_mismatched_buffers_by_name(kwargs: dict, message: str) -> None:
+def test_mismatched_buffers_are_refused_by_name(kwargs: dict, message: str) -> None:
     args = {
+        "experts_out": torch.zeros(3, 2, 8),
         "delta": torch.zeros(3, 2, 8),
         "token_lora_mapping": torch.zeros(3, dtype=torch.int32),
         "adapter_enabled": torch.ones(SLOTS + 1, dtype=torch.int32),
         "max_loras": SLOTS,
-        "out": torch.zeros(3, 8),
-    }
-    with pytest.raises(ValueError, match=message):
-        sum_delta(**{**args, **kwargs})
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"delta_sum": torch.zeros(3, 9)}, "delta_sum"),
-        ({"delta_sum": torch.zeros(3, 8, dtype=torch.float16)}, "float32"),
-        ({"output": torch.zeros(3, 9)}, "output"),
-        ({"output": torch.zeros(3, 8, dtype=torch.float16)}, "output"),
-    ],
-)
-def test_moe_sum_refuses_mismatched_buffers_by_name(kwargs: dict, message: str) -> None:
-    args = {
-        "experts_out": torch.zeros(3, 2, 8),
-        "delta_sum": torch.zeros(3, 8),
         "output": torch.zeros(3, 8),
     }
     with pytest.raises(ValueError, match=message):
@@ -124,7 +80,7 @@ def test_prefill_size_on_a_gpu(dtype: torch.dtype) -> None:
     experts_out, delta, slots, enabled = _inputs(4099, 8, 2048, dtype, seed=1)
     gpu = [t.cuda() for t in (experts_out, delta, slots, enabled)]
     out = torch.full((4099, 2048), 777.0, dtype=dtype, device="cuda")
-    _both_passes(*gpu, out)
+    moe_sum_with_delta(*gpu[:4], SLOTS, out)
     want = moe_sum_with_delta_reference(experts_out, delta, slots, enabled, SLOTS)
     got = out.double().cpu()
     assert not torch.isnan(got).any()
