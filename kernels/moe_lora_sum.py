@@ -8,9 +8,10 @@ for tokens on an active adapter slot, whose pairs the op wrote (other rows hold 
 Sums run in float32 and round once to the output's dtype.
 
 One pass on the main stream, not two: summing the deltas per token on the side stream first
-(88ff7aa) cut this kernel from 261.6 to 170.2 us at 16,384 tokens (H200), but the side pass
-(159.7 us) slowed the base down GEMM beside it more; the e2e prefill took 0.4353 and 0.4348 s
-against 0.4279 and 0.4320 s in an interleaved A/B on one machine (rows in bench/e2e/results).
+(88ff7aa) left the main stream a pass of 170.2 us at 16,384 tokens (H200; this kernel took
+261.6 us in the bench run at 5883637), but the side pass (159.7 us) slowed the base down GEMM
+beside it more; the e2e prefill took 0.4353 and 0.4348 s against 0.4279 and 0.4320 s in an
+interleaved A/B on one machine (rows in bench/e2e/results and bench/kernels/results).
 """
 
 from __future__ import annotations
