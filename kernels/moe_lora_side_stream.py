@@ -1,4 +1,4 @@
-"""The MoE LoRA beside vLLM's base GEMMs, on a second CUDA stream, at prefill sizes.
+"""The MoE LoRA beside vLLM's base GEMMs, on a second CUDA stream (prefill sizes, CUDA graphs).
 
 For a LoRA batch vLLM 0.26's `TritonExperts.apply` runs on one stream: the base gate/up GEMM,
 the gate/up LoRA, SiLU-and-mul, the base down GEMM into `intermediate_cache3`, the down LoRA
@@ -20,10 +20,12 @@ there (our op undeferred, or vLLM's) first makes the side stream wait for the GE
 this took the 16 x 1600-token prefill from 0.4381 to 0.4326 and 0.4327 s (bench_e2e.py, same
 machine, median of 9).
 
-Only from SIDE_MIN_PAIRS (token, expert) pairs on, outside CUDA-graph capture, and not with an
-expert map (`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully
-sharded LoRA; otherwise vLLM's order. Without CUDA (the CPU tests) the same steps run in order
-on the current stream.
+Under CUDA-graph capture (vLLM's decode batches) at every size: the host work of the fork and
+the joins is paid once, at capture, and the side stream's kernels become a branch of the graph.
+Run eagerly, only from SIDE_MIN_PAIRS (token, expert) pairs on. Never with an expert map
+(`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully sharded
+LoRA; those keep vLLM's order. Without CUDA (the CPU tests) the same steps run in order on the
+current stream.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch
 
 from .moe_lora_sum import moe_sum_with_delta
 
-# Prefill sizes: vLLM's CUDA-graph (decode) batches stay far below this many pairs (the e2e
-# workload's prefill chunks have 73,728 and 131,072).
+# Eager calls from this many pairs on (prefill sizes: the e2e workload's prefill chunks have
+# 73,728 and 131,072); below it, each call would pay the fork's host work again.
 SIDE_MIN_PAIRS = 8192
 # On the experts object: SiLU-and-mul's output, ready (until apply_w2_lora); the launched
 # down LoRA (until moe_sum).
@@ -80,15 +82,14 @@ def _wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
 
 
 def _ready_event(t: torch.Tensor, pairs: int) -> tuple[bool, torch.cuda.Event | None]:
-    """(whether work on `pairs` (token, expert) pairs may go beside: not below SIDE_MIN_PAIRS,
-    not while a CUDA graph is being captured, as the side stream stays out of graphs; an event
-    on the main stream after the work queued so far, None without CUDA)."""
-    if pairs < SIDE_MIN_PAIRS:
+    """(whether work on `pairs` (token, expert) pairs may go beside: while a CUDA graph is being
+    captured, or run eagerly from SIDE_MIN_PAIRS on; an event on the main stream after the work
+    queued so far, None without CUDA)."""
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if pairs < SIDE_MIN_PAIRS and not capturing:
         return False, None
     if not t.is_cuda:
         return True, None
-    if torch.cuda.is_current_stream_capturing():
-        return False, None
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(t.device))
     return True, event
@@ -139,7 +140,7 @@ def gate_up_beside(
 ) -> Iterator[tuple[SideGateUp | None, Callable[[], None] | None]]:
     """Around vLLM's gate/up LoRA call (its routing and our op, expand deferred): on the side
     stream, after `apply`'s inputs are ready and beside the base gate/up GEMM, where `inputs`
-    marks a prefill-sized call that qualifies. Yields (the launched side work or None, the hook
+    marks a call that qualifies (`_ready_event`). Yields (the launched side work or None, the hook
     a write of the GEMM's output must call first: the side stream then waits for the GEMM)."""
     if inputs is None or not _side_allowed(lora_context):
         yield None, None
