@@ -17,16 +17,15 @@ At prefill sizes and in CUDA graphs both LoRAs run on a side stream beside the b
 (`moe_lora_side_stream`): the gate/up LoRA's routing and shrink from `apply`'s entry, which
 marks its inputs ready (so `apply` is patched too), and the down LoRA from the moment the
 activation's output is ready, its delta added by `moe_sum` (the side-stream module supplies
-those two methods).
+those two methods). The gate/up expand stays fused here in graphs too: launched beside the GEMM
+into a delta that the GEMM's buffer took before vLLM's SiLU-and-mul, the e2e decode on the H200
+ran 66.26 and 66.21 tok/s per request, against 67.04 fused (same machine, bench_e2e.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from .moe_lora_act import expand_silu_and_mul, fits
 from .moe_lora_op import SplitExpand, defer_gate_up_expand
@@ -49,45 +48,12 @@ BESIDE = "_loraplex_down_beside"
 # from that call to the activation: the gate/up LoRA work launched on the side stream.
 INPUTS_READY = "_loraplex_inputs_ready"
 GATE_UP_SIDE = "_loraplex_gate_up_side"
-# From the gate/up LoRA call to the activation: the LoRA delta its expand wrote beside the GEMM.
-GATE_UP_DELTA = "_loraplex_gate_up_delta"
-# Up to this many (token, expert) pairs a gate/up LoRA that runs beside the base GEMM (in vLLM's
-# CUDA graphs: its largest captured batch has 512 x 8 pairs for Qwen3-30B-A3B) launches its
-# expand there too, into a zeroed delta that the activation's input takes before vLLM's
-# SiLU-and-mul. Above it the fused activation reads the GEMM's buffer once where delta, add and
-# activation would read it three times (prefill: 1.26 GB per Qwen3 layer at 25,600 tokens).
-EXPAND_BESIDE_MAX_PAIRS = 4096
 
 
 def _join_gate_up_side(experts: Any) -> None:
     side: SideGateUp | None = experts.__dict__.pop(GATE_UP_SIDE, None)
     if side is not None:
         side.join()
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaBeside:
-    """A gate/up LoRA delta written beside the GEMM; `add` puts it into the GEMM's output, once
-    both are written, as vLLM's in-place LoRA would have."""
-
-    gemm_output: torch.Tensor  # (pairs, 2N): the expand's output, the GEMM's buffer
-    delta: torch.Tensor
-
-    def add(self) -> None:
-        self.gemm_output.add_(self.delta)
-
-
-def _expand_beside(deferred: list[SplitExpand]) -> DeltaBeside | None:
-    """Where the deferred gate/up expands are few enough pairs (EXPAND_BESIDE_MAX_PAIRS), launch
-    them now, on the current (side) stream, adding into a zeroed buffer of their own (the GEMM
-    is still writing its own on the main stream); pairs without LoRA keep zeros."""
-    if not deferred or deferred[0].lengths[0] > EXPAND_BESIDE_MAX_PAIRS:
-        return None
-    gemm_output = deferred[0].out2d
-    delta = torch.zeros_like(gemm_output)
-    for expand in deferred:
-        dataclasses.replace(expand, out2d=delta).launch()
-    return DeltaBeside(gemm_output, delta)
 
 
 def fused_methods(
@@ -111,7 +77,7 @@ def fused_methods(
         expert_map: Any = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
         inputs = self.__dict__.pop(INPUTS_READY, None)
-        for key in (PENDING, BESIDE, READY, GATE_UP_DELTA):
+        for key in (PENDING, BESIDE, READY):
             self.__dict__.pop(key, None)
         _join_gate_up_side(self)
         drop_side(self)
@@ -125,13 +91,8 @@ def fused_methods(
             defer_gate_up_expand(guard) as deferred,
         ):
             routing = apply_w13_lora(self, lora_context, **call)
-            delta = _expand_beside(deferred) if side is not None else None
-        if delta is not None:
-            self.__dict__[GATE_UP_DELTA] = delta
-            deferred = []
         if side is not None:
-            side_outputs = [*routing, *(expand.ws for expand in deferred)]
-            keep_for_main([*side_outputs, delta.delta] if delta else side_outputs, side)
+            keep_for_main([*routing, *(expand.ws for expand in deferred)], side)
             self.__dict__[GATE_UP_SIDE] = side
         if deferred:
             self.__dict__[PENDING] = deferred
@@ -141,13 +102,9 @@ def fused_methods(
     def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
         _join_gate_up_side(self)
         pending: list[SplitExpand] = self.__dict__.pop(PENDING, [])
-        delta: DeltaBeside | None = self.__dict__.pop(GATE_UP_DELTA, None)
         # SiLU with a clamp limit is another kernel; an unknown config is not taken as unclamped.
         unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
-        if delta is not None:
-            delta.add()
-            activation(self, kind, output, input, **kwargs)
-        elif len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):
+        if len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):
             expand_silu_and_mul(pending[0], output)
         else:
             for expand in pending:

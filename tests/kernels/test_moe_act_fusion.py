@@ -17,8 +17,8 @@ import pytest
 import torch
 from moe_lora_cases import Case, make_inputs
 
-from loraplex.kernels import moe_act_fusion, moe_lora_side_stream
-from loraplex.kernels.moe_act_fusion import GATE_UP_DELTA, GATE_UP_SIDE, PENDING, install
+from loraplex.kernels import moe_lora_side_stream
+from loraplex.kernels.moe_act_fusion import GATE_UP_SIDE, PENDING, install
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import fused_moe_lora
 from loraplex.kernels.moe_lora_reference import fused_moe_lora_reference
@@ -127,10 +127,8 @@ def classes() -> tuple[type[StockExperts], type[StockExperts]]:
 
 @pytest.fixture
 def side_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both LoRAs go beside the GEMMs at this test's few pairs, as at prefill sizes (the gate/up
-    expand deferred into the fused activation)."""
+    """Both LoRAs go beside the GEMMs at this test's few pairs, as at prefill sizes."""
     monkeypatch.setattr(moe_lora_side_stream, "SIDE_MIN_PAIRS", 1)
-    monkeypatch.setattr(moe_act_fusion, "EXPAND_BESIDE_MAX_PAIRS", 0)
 
 
 @dataclasses.dataclass
@@ -194,7 +192,6 @@ def _apply(
         experts.activation(kind, act_out, buffer.view(-1, 2 * CASE.n))
         assert PENDING not in experts.__dict__
         assert GATE_UP_SIDE not in experts.__dict__
-        assert GATE_UP_DELTA not in experts.__dict__
         names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
                  "token_lora_mapping")  # fmt: skip
         down_routing = dict(zip(names, routing, strict=True))
@@ -319,43 +316,19 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
     assert applied.sum_error < 2e-2
 
 
-def test_graph_sized_gate_up_expand_goes_beside_into_a_delta_then_vllm_activation(
-    classes: Any, side_at_any_size: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Up to EXPAND_BESIDE_MAX_PAIRS pairs the gate/up expand runs beside too, into a zeroed
-    delta (pairs without adapter keep zeros) that the GEMM's buffer takes before vLLM's own
-    SiLU-and-mul; the down LoRA still goes beside. On the CPU, in order."""
-    monkeypatch.setattr(moe_act_fusion, "EXPAND_BESIDE_MAX_PAIRS", CASE.tokens * CASE.top_k)
-    seen = _spy_on_gate_up_side(classes[0])
-    applied = _apply(classes[0], Act.SILU)
-    assert seen == [True]
-    assert applied.experts.activations == [Act.SILU]
-    assert not _down_ran_in_order(applied)
-    assert applied.act_error < 1e-5
-    assert applied.sum_error < 1e-5
-
-
-def test_more_pairs_than_expand_beside_max_keep_the_fused_activation(
-    classes: Any, side_at_any_size: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(moe_act_fusion, "EXPAND_BESIDE_MAX_PAIRS", CASE.tokens * CASE.top_k - 1)
-    applied = _apply(classes[0], Act.SILU)
-    assert applied.experts.activations == []
-    assert applied.act_error < 1e-5
-
-
 @pytest.mark.gpu
 def test_in_a_cuda_graph_both_loras_run_on_a_second_stream_at_any_size(
     classes: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Captured as vLLM captures a decode batch, this test's few pairs go beside: the gate/up
     LoRA and the down LoRA on one second stream, forked from and joined to the capture stream
-    (the capture fails on a fork never joined), with the waits of the eager test above: the
-    down LoRA sleeps before writing its NaN-poisoned delta, the activation before writing its
-    output. A first eager run, beside at any size, compiles every kernel the flow launches."""
+    (the capture fails on a fork never joined), with the waits of the eager tests above: the
+    gate/up LoRA sleeps on its stream before its shrink, whose partial products the fused
+    activation reads; the down LoRA sleeps before writing its NaN-poisoned delta. A first eager
+    run, beside at any size, compiles every kernel the flow launches."""
 
     def sleep_before_gate_up(experts: StockExperts) -> None:
-        experts.w13_sleep_cycles = 50_000_000  # ~25 ms: an add that did not wait adds zeros
+        experts.w13_sleep_cycles = 50_000_000  # ~25 ms: an activation that did not wait: junk
 
     with monkeypatch.context() as patch:
         patch.setattr(moe_lora_side_stream, "SIDE_MIN_PAIRS", 1)
@@ -369,7 +342,7 @@ def test_in_a_cuda_graph_both_loras_run_on_a_second_stream_at_any_size(
     experts = applied.experts
     assert experts.w13_streams == experts.down_streams
     assert experts.down_streams[0] != experts.main_stream
-    assert experts.activations == [Act.SILU], "graph-sized: delta beside, then vLLM's SiLU"
+    assert experts.activations == [], "the fused activation, as eagerly"
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
 
