@@ -9,8 +9,8 @@
 - `moe_lora_align.moe_lora_align_block_size`: the MoE-LoRA sorted routing form, as vLLM's CUDA
   op builds it (spec `moe_lora_reference.moe_lora_align_reference`), for large batches.
 - `moe_act_fusion`, `moe_lora_side_stream`, `moe_lora_sum`: the plugin's changes to vLLM's fused
-  experts (gate/up LoRA inside SiLU-and-mul; at prefill the MoE LoRA on a side stream beside the
-  base GEMMs, the down LoRA's delta summed by moe_sum).
+  experts (gate/up LoRA inside SiLU-and-mul; at prefill and in CUDA graphs the MoE LoRA on a side
+  stream beside the base GEMMs, the down LoRA's delta summed by moe_sum).
 - `plugin.register()`: the `vllm.general_plugins` entry point; switched off by
   LORAPLEX_ENGINE__MOE_LORA_KERNELS=0.
 

@@ -15,9 +15,9 @@ and logs one line saying what it did:
   pairs on; and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
   inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
-  prefill sizes runs the MoE LoRA on a side stream beside the base GEMMs: the gate/up routing
-  and shrink beside the gate/up GEMM, the down LoRA beside the down GEMM, its delta added by
-  moe_sum (`moe_lora_side_stream`);
+  prefill sizes and in CUDA graphs runs the MoE LoRA on a side stream beside the base GEMMs:
+  the gate/up routing and shrink beside the gate/up GEMM, the down LoRA beside the down GEMM,
+  its delta added by moe_sum (`moe_lora_side_stream`);
 - it warms the LoRA paths up at prefill sizes before vLLM captures its CUDA graphs (see
   `warm_up_sizes`), so that no Triton kernel, ours or vLLM's, compiles while serving;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
@@ -411,7 +411,7 @@ def _patch() -> PluginState:
     patch_triton_experts()
     _patch_warm_up()
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
-             "fused into SiLU-and-mul, beside the base GEMMs at prefill), "
+             "fused into SiLU-and-mul, beside the base GEMMs at prefill and in CUDA graphs), "
              "add_lora_linear, moe_lora_align_block_size and the LoRA "
              "batch metadata (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
