@@ -17,13 +17,15 @@ At prefill sizes and in CUDA graphs both LoRAs run on a side stream beside the b
 (`moe_lora_side_stream`): the gate/up LoRA's routing and shrink from `apply`'s entry, which
 marks its inputs ready (so `apply` is patched too), and the down LoRA from the moment the
 activation's output is ready, its delta added by `moe_sum` (the side-stream module supplies
-those two methods). The gate/up expand stays fused here in graphs too: launched beside the GEMM
-into a delta that the GEMM's buffer took before vLLM's SiLU-and-mul, the e2e decode on the H200
-ran 66.26 and 66.21 tok/s per request, against 67.04 fused (same machine, bench_e2e.py).
+those two methods). The gate/up expand stays fused into SiLU-and-mul in graphs too: launching
+it beside the GEMM instead (0e71044, into a delta added to the GEMM's buffer before vLLM's
+SiLU-and-mul) ran the e2e decode at 66.26 and 66.21 tok/s per request against 67.04 fused
+(H200, same machine, bench_e2e.py); 9f1ad80 dropped it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -50,10 +52,12 @@ INPUTS_READY = "_loraplex_inputs_ready"
 GATE_UP_SIDE = "_loraplex_gate_up_side"
 
 
-def _join_gate_up_side(experts: Any) -> None:
+def _join_gate_up_side(experts: Any) -> bool:
+    """Join the gate/up LoRA work launched on the side stream, if any; whether there was some."""
     side: SideGateUp | None = experts.__dict__.pop(GATE_UP_SIDE, None)
     if side is not None:
         side.join()
+    return side is not None and side.stream is not None
 
 
 def fused_methods(
@@ -100,8 +104,12 @@ def fused_methods(
         return routing
 
     def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
-        _join_gate_up_side(self)
         pending: list[SplitExpand] = self.__dict__.pop(PENDING, [])
+        if _join_gate_up_side(self):
+            # Under PDL the expand reads the GEMM's buffer before its own wait, trusting the
+            # kernel before it in the stream, the shrink, to have waited for all work before
+            # it. With the shrink on the side stream that kernel is the GEMM: launch plainly.
+            pending = [dataclasses.replace(expand, use_pdl=False) for expand in pending]
         # SiLU with a clamp limit is another kernel; an unknown config is not taken as unclamped.
         unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
         if len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):

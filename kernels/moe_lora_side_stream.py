@@ -25,6 +25,8 @@ the joins is paid once, at capture, and the side stream's kernels become a branc
 At decode the base expert GEMMs are bound by HBM reads and the LoRA kernels beside them by
 latency, so they overlap well: on the H200, 16 requests decoding with 8 adapters went from 64.89
 and 64.91 to 67.04 tok/s per request (base 75.72; bench_e2e.py, one machine, medians of 3).
+Kernels that only the side stream launches at decode sizes (the down LoRA into its delta,
+`moe_sum_with_delta`) compile during that capture, at startup, not while serving.
 Run eagerly, only from SIDE_MIN_PAIRS (token, expert) pairs on. Never with an expert map
 (`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully sharded
 LoRA; those keep vLLM's order. Without CUDA (the CPU tests) the same steps run in order on the
@@ -200,13 +202,18 @@ def side_methods(
             apply_w2_lora(self, lora_context, **call)
             return
         assert ready is not None
-        side_call = {**call, "y": torch.empty_like(call["y"]), "add_inputs": False}
         stream = None
         if ready.event is not None:
             stream = _side_stream(ready.x.device)
             stream.wait_event(ready.event)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            # Allocated on the side stream: a block the main stream freed after the event may
+            # still be in use by main-stream work queued since, and the side stream may not
+            # wait for that work.
+            side_call = {**call, "y": torch.empty_like(call["y"]), "add_inputs": False}
             apply_w2_lora(self, lora_context, **side_call)
+        if stream is not None:  # moe_sum reads the delta on the main stream
+            side_call["y"].record_stream(torch.cuda.current_stream(ready.x.device))
         self.__dict__[LAUNCHED] = SideDown(lora_context, side_call, stream)
 
     def delta_adding_moe_sum(self: Any, input: torch.Tensor, output: torch.Tensor) -> None:

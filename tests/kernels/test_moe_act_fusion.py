@@ -1,10 +1,11 @@
-"""`moe_act_fusion`'s four methods on a stand-in for vLLM 0.26's TritonExperts (the CPU's vLLM is
+"""`moe_act_fusion`'s five methods on a stand-in for vLLM 0.26's TritonExperts (the CPU's vLLM is
 0.32, whose experts differ). The stand-in's methods do what TritonExperts' originals do with the
-same tensors: `apply_w13_lora` and `apply_w2_lora` call our op on the gate/up and the down
-buffers, as PunicaWrapperGPU does; `activation` is SiLU-and-mul (or GELU-and-mul); `moe_sum`
-sums each token's experts. `_apply` calls them in `TritonExperts.apply`'s order. The kernels are
-the real ones, interpreted; on the CPU the down LoRA's "side stream" is the current one, in
-order (test_moe_lora_gpu.py runs it on a real second stream)."""
+same tensors: `apply` runs the flow, `apply_w13_lora` and `apply_w2_lora` call our op on the
+gate/up and the down buffers, as PunicaWrapperGPU does; `activation` is SiLU-and-mul (or
+GELU-and-mul); `moe_sum` sums each token's experts. `_apply` calls them in `TritonExperts.apply`'s
+order. The kernels are the real ones, interpreted; on the CPU the "side stream" is the current
+one, in order; the gpu-marked tests here run it on a real second stream, eagerly and inside a
+captured CUDA graph."""
 
 from __future__ import annotations
 
@@ -317,32 +318,35 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
 def test_in_a_cuda_graph_both_loras_run_on_a_second_stream_at_any_size(
-    classes: Any, monkeypatch: pytest.MonkeyPatch
+    classes: Any, monkeypatch: pytest.MonkeyPatch, kind: Act
 ) -> None:
     """Captured as vLLM captures a decode batch, this test's few pairs go beside: the gate/up
     LoRA and the down LoRA on one second stream, forked from and joined to the capture stream
     (the capture fails on a fork never joined), with the waits of the eager tests above: the
-    gate/up LoRA sleeps on its stream before its shrink, whose partial products the fused
-    activation reads; the down LoRA sleeps before writing its NaN-poisoned delta. A first eager
-    run, beside at any size, compiles every kernel the flow launches."""
+    gate/up LoRA sleeps on its stream before its shrink, whose partial products the activation
+    (or, before GELU-and-mul, the expand) reads; GELU-and-mul sleeps before writing the output
+    the down LoRA reads; the down LoRA sleeps before writing its NaN-poisoned delta. A first
+    eager run, beside at any size, compiles every kernel the flow launches."""
 
     def sleep_before_gate_up(experts: StockExperts) -> None:
         experts.w13_sleep_cycles = 50_000_000  # ~25 ms: an activation that did not wait: junk
 
     with monkeypatch.context() as patch:
         patch.setattr(moe_lora_side_stream, "SIDE_MIN_PAIRS", 1)
-        _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, seed=3)
-    eager = _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, seed=5)
+        _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)
+    eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=5)
     assert _down_ran_in_order(eager), "run eagerly, a batch this small keeps vLLM's order"
-    applied = _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, graph=True,
+    assert eager.experts.w13_streams == [torch.cuda.current_stream()]
+    applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True,
                      configure=sleep_before_gate_up)  # fmt: skip
     torch.cuda.synchronize()
     assert not _down_ran_in_order(applied)
     experts = applied.experts
     assert experts.w13_streams == experts.down_streams
     assert experts.down_streams[0] != experts.main_stream
-    assert experts.activations == [], "the fused activation, as eagerly"
+    assert experts.activations == ([] if kind is Act.SILU else [Act.GELU])  # SiLU: fused
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
 
