@@ -208,12 +208,13 @@ def side_methods(
             stream.wait_event(ready.event)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             # Allocated on the side stream: a block the main stream freed after the event may
-            # still be in use by main-stream work queued since, and the side stream may not
-            # wait for that work.
+            # still be in use by main-stream work queued since, which the side stream does not
+            # wait for. Once moe_sum has read it, the block may go back to the side stream
+            # without a record_stream (which, during a capture, would hold every layer's delta
+            # until the capture ends): all side-stream work starts with a wait on an event
+            # recorded later on the main stream, so it follows that read.
             side_call = {**call, "y": torch.empty_like(call["y"]), "add_inputs": False}
             apply_w2_lora(self, lora_context, **side_call)
-        if stream is not None:  # moe_sum reads the delta on the main stream
-            side_call["y"].record_stream(torch.cuda.current_stream(ready.x.device))
         self.__dict__[LAUNCHED] = SideDown(lora_context, side_call, stream)
 
     def delta_adding_moe_sum(self: Any, input: torch.Tensor, output: torch.Tensor) -> None:
