@@ -25,7 +25,6 @@ SiLU-and-mul) ran the e2e decode at 66.26 and 66.21 tok/s per request against 67
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -52,12 +51,10 @@ INPUTS_READY = "_loraplex_inputs_ready"
 GATE_UP_SIDE = "_loraplex_gate_up_side"
 
 
-def _join_gate_up_side(experts: Any) -> bool:
-    """Join the gate/up LoRA work launched on the side stream, if any; whether there was some."""
+def _join_gate_up_side(experts: Any) -> None:
     side: SideGateUp | None = experts.__dict__.pop(GATE_UP_SIDE, None)
     if side is not None:
         side.join()
-    return side is not None and side.stream is not None
 
 
 def fused_methods(
@@ -104,12 +101,8 @@ def fused_methods(
         return routing
 
     def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
+        _join_gate_up_side(self)
         pending: list[SplitExpand] = self.__dict__.pop(PENDING, [])
-        if _join_gate_up_side(self):
-            # Under PDL the expand reads the GEMM's buffer before its own wait, trusting the
-            # kernel before it in the stream, the shrink, to have waited for all work before
-            # it. With the shrink on the side stream that kernel is the GEMM: launch plainly.
-            pending = [dataclasses.replace(expand, use_pdl=False) for expand in pending]
         # SiLU with a clamp limit is another kernel; an unknown config is not taken as unclamped.
         unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
         if len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):

@@ -67,7 +67,8 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
     num_pairs = expand.lengths[0]
     lora_programs = expand.lengths[4] * triton.cdiv(expand.n, block_n)
     grid = (lora_programs + triton.cdiv(num_pairs, PLAIN_ROWS),)
-    pdl_kwargs = {"launch_pdl": True} if expand.use_pdl else {}
+    use_pdl = expand.pdl_here()
+    pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
     moe_lora_expand_silu_and_mul_kernel[grid](
         expand.ws, expand.b0, expand.b1, gate_up, out, *expand.routing, expand.n,
         *expand.lengths, lora_programs, *expand.b0.stride(), *gate_up.stride(), *out.stride(),
@@ -75,5 +76,5 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
         SORTED=expand.sorted_form, BLOCK_M=expand.block_m, LORA_PAD=expand.lora_pad,
         BLOCK_R=expand.block_r, RANK=expand.rank, BLOCK_N=block_n, SPLIT_K=config.split_k,
         WS_ROWS=expand.ws_rows, CHUNK=min(SORTED_CHUNK, expand.block_m), PLAIN_ROWS=PLAIN_ROWS,
-        USE_PDL=expand.use_pdl, num_warps=warps, num_stages=2, **pdl_kwargs,
+        USE_PDL=use_pdl, num_warps=warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip

@@ -222,7 +222,7 @@ def fused_moe_lora(
         ws, b0, b1, out2d, topk_weights, routing, n, lengths, (stride_sl, stride_el), offset,
         sorted_form, block_m, lora_pad, block_r, rank, config,
         _expand_parts(config, sorted_form, block_m), ws_rows, mul_routed_weight, add_inputs,
-        use_pdl,
+        use_pdl, torch.cuda.current_stream(x.device) if use_pdl else None,
     )  # fmt: skip
     sink = _deferred_gate_up.get()
     if sink is not None and expand.is_gate_up():
@@ -259,7 +259,16 @@ class SplitExpand:
     ws_rows: int
     mul_routed_weight: bool
     add_inputs: bool
-    use_pdl: bool
+    use_pdl: bool  # the shrink launched under PDL
+    shrink_stream: torch.cuda.Stream | None  # where it did (None without PDL)
+
+    def pdl_here(self) -> bool:
+        """Whether the expand may launch under PDL on the current stream. Its kernel reads the
+        output (the GEMM's buffer) before its own wait, trusting the kernel before it in the
+        stream, the shrink, to have waited for all work before it: true only on the shrink's
+        stream. A shrink that ran beside the GEMM (`moe_lora_side_stream`) left the GEMM as
+        the kernel before an expand launched on the main stream."""
+        return self.use_pdl and torch.cuda.current_stream(self.ws.device) == self.shrink_stream
 
     def is_gate_up(self) -> bool:
         """A gate/up call as vLLM's fused experts make it: two slices side by side from column
@@ -272,7 +281,8 @@ class SplitExpand:
         num_units = self.lengths[4]
         config = self.config
         groups = triton.cdiv(triton.cdiv(self.n, config.block_n), config.expand_tiles)
-        pdl_kwargs = {"launch_pdl": True} if self.use_pdl else {}
+        use_pdl = self.pdl_here()
+        pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
         # Three stages: the expand's tile loop then loads B two tiles ahead. H200 at 25,600
         # tokens against two stages: Qwen3 down 623.4 -> 612.4 us, GPT-OSS down 592.4 -> 588.7.
         kt.moe_lora_expand_kernel[(num_units * self.parts * slices * groups,)](
@@ -283,7 +293,7 @@ class SplitExpand:
             BLOCK_R=self.block_r, RANK=self.rank, BLOCK_N=config.block_n,
             SPLIT_K=config.split_k, WS_ROWS=self.ws_rows, SLICES=slices, PARTS=self.parts,
             TILES=config.expand_tiles, MUL_ROUTED_WEIGHT=self.mul_routed_weight,
-            ADD_INPUTS=self.add_inputs, USE_PDL=self.use_pdl, num_stages=3,
+            ADD_INPUTS=self.add_inputs, USE_PDL=use_pdl, num_stages=3,
             **config.launch_options(), **pdl_kwargs,
         )  # fmt: skip
 

@@ -17,7 +17,8 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
   they do not: `moe_lora_op.PDL_MAX_PAIRS` says why): the shrink's launch overlaps the tail
   of the kernel before it (it waits for that kernel before reading anything), and the expand
   grid starts while the shrink runs, loads its B tile and output tile, and waits for the
-  shrink only before it reads the partials.
+  shrink only before it reads the partials (so the expand takes PDL only on the shrink's
+  stream: `moe_lora_op.SplitExpand.pdl_here`).
 - fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
   on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one
   gather of x rows (at prefill the gathered x rows are a third of the traffic).
