@@ -4,8 +4,7 @@ Takes vLLM 0.26's `LoRAKernelMeta` view of the batch (tokens sorted by adapter s
 sizes and starts, the slot of each group), which vLLM prepares once per step for every layer;
 `lora_sort_meta` builds the same tensors in plain torch (tests, benchmarks). Two launches per
 call: a tiled shrink into a workspace of rank-sized rows, then a tiled expand that adds into y
-(see `lora_dense_tiled_triton`); `lora_dense_beside` launches them apart, around the base GEMM.
-No host syncs and a grid from shapes alone.
+(see `lora_dense_tiled_triton`). No host syncs and a grid from shapes alone.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import torch
 import triton
 
 from . import lora_dense_tiled_triton as kt
-from .lora_dense_op import MAX_SLICES, check_layout
+from .lora_dense_op import check_layout, padded_slices
 
 BLOCK_M = 64  # tokens per tile: a prefill group has hundreds; 64 keeps the x tile in registers
 # Launch shape: on the H200 at 9,216 and 16,384 tokens (Qwen3-30B-A3B qkv and o, 8 rank-32
@@ -43,11 +42,6 @@ def lora_sort_meta(
     return order, num_per_lora, start_loc, lora_ids
 
 
-def shrunk_shape(x: torch.Tensor, lora_a: list[torch.Tensor]) -> tuple[int, int, int]:
-    """The shape of the shrink's output: (slices, tokens, rank padded to a power of two >= 16)."""
-    return len(lora_a), x.shape[0], max(16, triton.next_power_of_2(lora_a[0].shape[2]))
-
-
 def lora_dense_tiled(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -63,71 +57,28 @@ def lora_dense_tiled(
 ) -> None:
     """y (+)= LoRA delta per `lora_dense_op`'s spec, for a batch sorted by adapter as above."""
     check_layout(y, x, lora_a, lora_b)
-    meta = (token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids)
-    shrunk = torch.empty(shrunk_shape(x, lora_a), dtype=lora_b[0].dtype, device=x.device)
-    lora_dense_tiled_shrink(shrunk, x, lora_a, scale, *meta)
-    lora_dense_tiled_expand(y, shrunk, lora_b, *meta, add_inputs=add_inputs, block_n=block_n)
-
-
-def _groups(lora_ids: torch.Tensor) -> dict[str, int]:
-    num_groups = lora_ids.numel()
-    return {"GROUP_PAD": max(2, triton.next_power_of_2(num_groups)), "NUM_GROUPS": num_groups}
-
-
-def lora_dense_tiled_shrink(
-    shrunk: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: list[torch.Tensor],
-    scale: float,
-    token_indices_sorted_by_lora_ids: torch.Tensor,
-    num_tokens_per_lora: torch.Tensor,
-    lora_token_start_loc: torch.Tensor,
-    lora_ids: torch.Tensor,
-) -> None:
-    """shrunk[s, p, :R] = round(scale * x[t] @ A[s][slot(t)].T) for the p-th token t in adapter
-    order, if on an adapter; shrunk is `shrunk_shape` in the weights' dtype. Layouts as
-    `lora_dense_tiled` checks them."""
     num_tokens, k = x.shape
     if num_tokens == 0:
         return
-    slices, _, block_r = shrunk_shape(x, lora_a)
-    num_units = triton.cdiv(num_tokens, BLOCK_M) + lora_ids.numel()
+    slices = len(lora_a)
+    rank = lora_a[0].shape[2]
+    num_groups = lora_ids.numel()
+    num_units = triton.cdiv(num_tokens, BLOCK_M) + num_groups
+    block_r = max(16, triton.next_power_of_2(rank))
     block_k = 64 if k >= 64 else 16
-    a = [*lora_a, *lora_a[-1:] * (MAX_SLICES - slices)]
+    mid = torch.empty((slices, num_tokens, block_r), dtype=lora_b[0].dtype, device=x.device)
+    a, b, widths = padded_slices(lora_a, lora_b)
     meta = (token_indices_sorted_by_lora_ids, lora_ids, num_tokens_per_lora, lora_token_start_loc)
+    groups = {"GROUP_PAD": max(2, triton.next_power_of_2(num_groups)), "NUM_GROUPS": num_groups}
     kt.lora_dense_tiled_shrink_kernel[(num_units * slices,)](
-        x, *a, shrunk, *meta, scale, k, num_tokens, num_units, lora_a[0].shape[0],
+        x, *a, mid, *meta, scale, k, num_tokens, num_units, lora_a[0].shape[0],
         x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, RANK=lora_a[0].shape[2], BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, SLICES=slices, **_groups(lora_ids), num_warps=SHRINK_WARPS,
-        num_stages=SHRINK_STAGES,
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        SLICES=slices, **groups, num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES,
     )  # fmt: skip
-
-
-def lora_dense_tiled_expand(
-    y: torch.Tensor,
-    shrunk: torch.Tensor,
-    lora_b: list[torch.Tensor],
-    token_indices_sorted_by_lora_ids: torch.Tensor,
-    num_tokens_per_lora: torch.Tensor,
-    lora_token_start_loc: torch.Tensor,
-    lora_ids: torch.Tensor,
-    add_inputs: bool = True,
-    block_n: int = 128,
-) -> None:
-    """y[t, slice s] (+)= shrunk[s, p, :R] @ B[s][slot(t)].T for the p-th token t in adapter
-    order, if on an adapter (`lora_dense_tiled_shrink` wrote shrunk)."""
-    num_tokens = y.shape[0]
-    if num_tokens == 0:
-        return
-    num_units = triton.cdiv(num_tokens, BLOCK_M) + lora_ids.numel()
-    pad = MAX_SLICES - len(lora_b)
-    b, widths = [*lora_b, *lora_b[-1:] * pad], [t.shape[2] for t in lora_b] + [0] * pad
-    meta = (token_indices_sorted_by_lora_ids, lora_ids, num_tokens_per_lora, lora_token_start_loc)
-    kt.lora_dense_tiled_expand_kernel[(num_units, triton.cdiv(max(widths), block_n), len(lora_b))](
-        shrunk, *b, y, *meta, *widths, num_tokens, num_units, lora_b[0].shape[0],
+    kt.lora_dense_tiled_expand_kernel[(num_units, triton.cdiv(max(widths), block_n), slices)](
+        mid, *b, y, *meta, *widths, num_tokens, num_units, lora_b[0].shape[0],
         y.stride(0), *(t.stride(0) for t in b), lora_b[0].stride(2),
-        BLOCK_M=BLOCK_M, BLOCK_R=shrunk.shape[2], RANK=lora_b[0].shape[3], BLOCK_N=block_n,
-        ADD_INPUTS=add_inputs, **_groups(lora_ids), num_warps=EXPAND_WARPS,
-        num_stages=EXPAND_STAGES,
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, RANK=rank, BLOCK_N=block_n, ADD_INPUTS=add_inputs,
+        **groups, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES,
     )  # fmt: skip
