@@ -222,7 +222,7 @@ def fused_moe_lora(
         ws, b0, b1, out2d, topk_weights, routing, n, lengths, (stride_sl, stride_el), offset,
         sorted_form, block_m, lora_pad, block_r, rank, config,
         _expand_parts(config, sorted_form, block_m), ws_rows, mul_routed_weight, add_inputs,
-        use_pdl, torch.cuda.current_stream(x.device) if use_pdl else None,
+        torch.cuda.current_stream(x.device) if use_pdl else None,
     )  # fmt: skip
     sink = _deferred_gate_up.get()
     if sink is not None and expand.is_gate_up():
@@ -259,8 +259,7 @@ class SplitExpand:
     ws_rows: int
     mul_routed_weight: bool
     add_inputs: bool
-    use_pdl: bool  # the shrink launched under PDL
-    shrink_stream: torch.cuda.Stream | None  # where it did (None without PDL)
+    pdl_stream: torch.cuda.Stream | None  # where the shrink launched under PDL (None: no PDL)
 
     def pdl_here(self) -> bool:
         """Whether the expand may launch under PDL on the current stream. Its kernel reads the
@@ -268,7 +267,10 @@ class SplitExpand:
         stream, the shrink, to have waited for all work before it: true only on the shrink's
         stream. A shrink that ran beside the GEMM (`moe_lora_side_stream`) left the GEMM as
         the kernel before an expand launched on the main stream."""
-        return self.use_pdl and torch.cuda.current_stream(self.ws.device) == self.shrink_stream
+        return (
+            self.pdl_stream is not None
+            and torch.cuda.current_stream(self.ws.device) == self.pdl_stream
+        )
 
     def is_gate_up(self) -> bool:
         """A gate/up call as vLLM's fused experts make it: two slices side by side from column
