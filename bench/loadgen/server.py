@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from bench.loadgen.polling import wait_until
 
 ENGINE_LOCK = "/tmp/loraplex-engine.lock"
 START_TIMEOUT_S = 300.0
@@ -111,14 +112,14 @@ def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
 
 
 def _wait_ready(server: LiveServer) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if server.process.poll() is not None:
             raise RuntimeError(f"loraplex exited at start:\n{server.log_text()[-4000:]}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(server.base_url + "/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(
-        f"loraplex not ready after {START_TIMEOUT_S} s:\n{server.log_text()[-4000:]}"
-    )
+            return httpx.get(server.base_url + "/ready", timeout=2).status_code == 200
+        return False
+
+    if not wait_until(ready, START_TIMEOUT_S, interval=0.5):
+        raise RuntimeError(
+            f"loraplex not ready after {START_TIMEOUT_S} s:\n{server.log_text()[-4000:]}"
+        )

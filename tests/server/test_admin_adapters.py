@@ -26,9 +26,9 @@ import boto3
 import httpx
 import pytest
 
+from bench.loadgen.polling import poll, wait_until
 from loraplex.adapters_registry.disk_cache import sha256_file
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
-from tests.support.polling import poll, wait_until
 from tests.support.s3_rig import S3Rig
 from tests.support.server_process import REPO, ServerProcess
 

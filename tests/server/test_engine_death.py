@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support.polling import wait_until
+from bench.loadgen.polling import wait_until
 from tests.support.server_process import ServerProcess
 
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tests.support.polling import wait_until
+from bench.loadgen.polling import wait_until
 from tests.support.server_process import ServerProcess
 
 BASE = "SmolLM2-135M-Instruct"

@@ -25,11 +25,11 @@ import pytest
 import yaml
 
 from bench.loadgen.client import Sample, run_workload
+from bench.loadgen.polling import wait_until
 from bench.loadgen.server import ADMIN_TOKEN, LiveServer, free_port, live_server
 from bench.loadgen.workload import Workload
 from loraplex.server.metrics import OTPS_BUCKETS, TTFT_BUCKETS
 from loraplex.server.settings import default_cache_dir
-from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"

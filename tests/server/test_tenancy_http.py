@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
+from bench.loadgen.polling import wait_until
 from bench.loadgen.server import ADMIN_TOKEN, LiveServer, live_server
 from loraplex.server.settings import default_cache_dir
-from tests.support.polling import wait_until
 
 ACME_KEY = "acme-key-for-tests-0123456789"
 GLOBEX_KEY = "globex-key-for-tests-0123456789"

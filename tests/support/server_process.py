@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.polling import wait_until
+from bench.loadgen.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
