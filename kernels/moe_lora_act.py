@@ -23,8 +23,11 @@ from .moe_lora_op import SplitExpand
 # (times relative to it): 32-row chunks 1.2-1.6x, 64 rows 1.8-2.7x, 128 rows 3.3-3.9x; 32, 64
 # or 256 columns 1.42x, 1.01-1.07x, 1.09-1.15x; 2 warps 1.25-1.33x; 8 warps, 1 or 3 stages
 # within 0.3%; without the next chunk's prefetch 1.04-1.06x (a one-off sweep, not kept: its
-# rows are in commit a2a717e's message). With no pair on LoRA,
-# the plain programs at 32 pairs took 310-338 us at 25,600 tokens, at 64 pairs 344-383 us.
+# rows are in commit a2a717e's message). A cap on registers (maxnreg) for more programs per SM
+# did not help: at 4 warps 96, 128, 80 and 64 took 1.02, 1.06, 1.12 and 1.41x; 8 warps with no
+# cap, 64 and 48 took 1.07, 1.07 and 1.31x (H200, 2026-11-23, all bit-identical; rows in the
+# message of the commit that added this sentence). With no pair on LoRA, the plain programs
+# at 32 pairs took 310-338 us at 25,600 tokens, at 64 pairs 344-383 us.
 # Decode (naive form: one pair per unit) keeps the expand's N tile and warps.
 SORTED_CHUNK = 16
 SORTED_BLOCK_N = 128
