@@ -91,7 +91,7 @@ def main() -> None:
     for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
-    from tests.support.server_process import free_port
+    from bench.loadgen.server import free_port
 
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +14,8 @@ from moto.server import ThreadedMotoServer
 from registry_builders import write_base_model
 from registry_rig import Rig
 
+from bench.loadgen.server import free_port
 from tests.support.s3_fault_proxy import FaultProxy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +27,7 @@ def s3_endpoint() -> Iterator[str]:
     }.items():  # fmt: skip
         os.environ.setdefault(key, value)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     yield f"http://127.0.0.1:{port}"
