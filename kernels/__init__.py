@@ -5,8 +5,7 @@
   `moe_lora_configs` and written by `tune_moe_lora` (or `bench/kernels/bench_moe_lora.py --tune`).
 - `lora_dense_op.lora_dense`: dense (attention) LoRA for decode batches, kernels in
   `lora_dense_triton`, spec beside it; `lora_dense_tiled.lora_dense_tiled`: the same for prefill
-  batches, tiled by adapter (kernels in `lora_dense_tiled_triton`); `lora_dense_beside`: at
-  decode sizes a LoRA linear layer's shrink beside its base GEMM, on the side stream.
+  batches, tiled by adapter (kernels in `lora_dense_tiled_triton`).
 - `moe_lora_align.moe_lora_align_block_size`: the MoE-LoRA sorted routing form, as vLLM's CUDA
   op builds it (spec `moe_lora_reference.moe_lora_align_reference`), for large batches.
 - `moe_act_fusion`, `moe_lora_side_stream`, `moe_lora_sum`: the plugin's changes to vLLM's fused

@@ -64,15 +64,14 @@ def check_layout(
         raise ValueError(f"slice widths {[t.shape[2] for t in b]} exceed y width {y.shape[1]}")
 
 
-def padded(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A or B slices padded to MAX_SLICES entries, as the kernels take them: a padding slice
-    repeats the last weights (and has width 0, `slice_widths`, so no program works on it)."""
-    return [*weights, *weights[-1:] * (MAX_SLICES - len(weights))]
-
-
-def slice_widths(lora_b: list[torch.Tensor]) -> list[int]:
-    """The output width of each slice, padded with zeros to MAX_SLICES entries."""
-    return [t.shape[2] for t in lora_b] + [0] * (MAX_SLICES - len(lora_b))
+def padded_slices(
+    lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """A, B and slice widths padded to MAX_SLICES entries, as the kernels take them (a padding
+    slice repeats the last weights and has width 0, so no program works on it)."""
+    pad = MAX_SLICES - len(lora_a)
+    widths = [t.shape[2] for t in lora_b] + [0] * pad
+    return [*lora_a, *lora_a[-1:] * pad], [*lora_b, *lora_b[-1:] * pad], widths
 
 
 def lora_dense(
@@ -86,90 +85,37 @@ def lora_dense(
     split_k: int | None = None,
     block_n: int = 64,
 ) -> None:
-    """y (+)= LoRA delta per the module docstring: `lora_dense_shrink`, then `lora_dense_expand`,
-    the expand under Programmatic Dependent Launch on the shrink (on sm_90 and later). split_k:
-    as `shrink_workspace` takes it."""
+    """y (+)= LoRA delta per the module docstring. split_k None: enough K ranges to give the
+    shrink about four programs per SM (decode batches are too small to fill the GPU otherwise).
+    """
     check_layout(y, x, lora_a, lora_b)
-    if x.shape[0] == 0:
-        return
-    pdl = _pdl_capable(x)
-    ws = shrink_workspace(x, lora_a, split_k)
-    lora_dense_shrink(ws, x, lora_a, token_lora_mapping, scale, pdl=pdl)
-    lora_dense_expand(y, ws, lora_b, token_lora_mapping, add_inputs, block_n, pdl=pdl)
-
-
-def _pdl_capable(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
-def shrink_workspace(
-    x: torch.Tensor, lora_a: list[torch.Tensor], split_k: int | None = None
-) -> torch.Tensor:
-    """An empty float32 workspace for `lora_dense_shrink`: (slices, tokens, split_k, rank padded
-    to a power of two >= 16). split_k None: enough K ranges to give the shrink about four
-    programs per SM (decode batches are too small to fill the GPU otherwise)."""
     num_tokens, k = x.shape
+    if num_tokens == 0:
+        return
     slices = len(lora_a)
-    block_r = max(16, triton.next_power_of_2(lora_a[0].shape[2]))
+    rank = lora_a[0].shape[2]
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_k = 128 if k >= 128 else triton.next_power_of_2(k)
+    on_cuda = x.device.type == "cuda"
     if split_k is None:
-        sms = _sm_count(x.device.index or 0) if x.device.type == "cuda" else 4
+        sms = _sm_count(x.device.index or 0) if on_cuda else 4
         split_k = 1
-        while split_k * _block_k(k) * 2 <= k and num_tokens * slices * split_k < 4 * sms:
+        while split_k * block_k * 2 <= k and num_tokens * slices * split_k < 4 * sms:
             split_k *= 2
-    return torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32,
-                       device=x.device)  # fmt: skip
-
-
-def _block_k(k: int) -> int:
-    return 128 if k >= 128 else triton.next_power_of_2(k)
-
-
-def lora_dense_shrink(
-    ws: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: list[torch.Tensor],
-    token_lora_mapping: torch.Tensor,
-    scale: float = 1.0,
-    pdl: bool = False,
-) -> None:
-    """ws[s, t, ks, :R] = scale * x[t, K range ks] @ A[s][slot(t)].T in float32, the partial
-    sums `lora_dense_expand` takes; ws from `shrink_workspace`. pdl: launch it under
-    Programmatic Dependent Launch, waiting in-kernel for the kernel before it on the stream
-    (sm_90 and later). Layouts as `check_layout` takes them."""
-    slices, num_tokens, split_k, block_r = ws.shape
-    if num_tokens == 0:
-        return
-    k = x.shape[1]
+    ws = torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32, device=x.device)
+    a, b, widths = padded_slices(lora_a, lora_b)
+    use_pdl = on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = {"launch_pdl": True} if use_pdl else {}
     kt.lora_dense_shrink_kernel[(num_tokens, slices, split_k)](
-        x, *padded(lora_a), ws, token_lora_mapping, scale, k, num_tokens, lora_a[0].shape[0],
+        x, *a, ws, token_lora_mapping, scale, k, num_tokens, lora_a[0].shape[0],
         x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
-        BLOCK_R=block_r, RANK=lora_a[0].shape[2], BLOCK_K=_block_k(k), SPLIT_K=split_k,
-        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl, **pdl,
     )  # fmt: skip
-
-
-def lora_dense_expand(
-    y: torch.Tensor,
-    ws: torch.Tensor,
-    lora_b: list[torch.Tensor],
-    token_lora_mapping: torch.Tensor,
-    add_inputs: bool = True,
-    block_n: int = 64,
-    pdl: bool = False,
-) -> None:
-    """y[t, slice s] (+)= round(sum_ks ws[s, t, ks]) @ B[s][slot(t)].T, ws from
-    `lora_dense_shrink`. pdl: launched under Programmatic Dependent Launch right after that
-    shrink, which lets it start early; it reads y before its in-kernel wait, so y must be
-    complete before the shrink launched."""
-    slices, num_tokens, split_k, block_r = ws.shape
-    if num_tokens == 0:
-        return
-    b, widths = padded(lora_b), slice_widths(lora_b)
     kt.lora_dense_expand_kernel[(num_tokens, triton.cdiv(max(widths), block_n), slices)](
         ws, *b, y, token_lora_mapping, *widths, num_tokens, lora_b[0].shape[0],
         y.stride(0), *(t.stride(0) for t in b), lora_b[0].stride(2),
-        BLOCK_R=block_r, RANK=lora_b[0].shape[3], BLOCK_N=block_n, SPLIT_K=split_k,
-        ADD_INPUTS=add_inputs, USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_R=block_r, RANK=rank, BLOCK_N=block_n, SPLIT_K=split_k, ADD_INPUTS=add_inputs,
+        USE_PDL=use_pdl, **pdl,
     )  # fmt: skip
 
 

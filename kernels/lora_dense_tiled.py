@@ -13,7 +13,7 @@ import torch
 import triton
 
 from . import lora_dense_tiled_triton as kt
-from .lora_dense_op import check_layout, padded, slice_widths
+from .lora_dense_op import check_layout, padded_slices
 
 BLOCK_M = 64  # tokens per tile: a prefill group has hundreds; 64 keeps the x tile in registers
 # Launch shape: on the H200 at 9,216 and 16,384 tokens (Qwen3-30B-A3B qkv and o, 8 rank-32
@@ -67,7 +67,7 @@ def lora_dense_tiled(
     block_r = max(16, triton.next_power_of_2(rank))
     block_k = 64 if k >= 64 else 16
     mid = torch.empty((slices, num_tokens, block_r), dtype=lora_b[0].dtype, device=x.device)
-    a, b, widths = padded(lora_a), padded(lora_b), slice_widths(lora_b)
+    a, b, widths = padded_slices(lora_a, lora_b)
     meta = (token_indices_sorted_by_lora_ids, lora_ids, num_tokens_per_lora, lora_token_start_loc)
     groups = {"GROUP_PAD": max(2, triton.next_power_of_2(num_groups)), "NUM_GROUPS": num_groups}
     kt.lora_dense_tiled_shrink_kernel[(num_units * slices,)](

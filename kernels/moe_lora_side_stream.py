@@ -154,7 +154,7 @@ def gate_up_beside(
         yield SideGateUp(None, x.device), None
         return
     main = torch.cuda.current_stream(x.device)
-    stream = side_stream(x.device)
+    stream = _side_stream(x.device)
     stream.wait_event(inputs.event)
     with torch.cuda.stream(stream):
         yield SideGateUp(stream, x.device), lambda: stream.wait_stream(main)
@@ -170,7 +170,7 @@ def keep_for_main(tensors: Iterable[torch.Tensor | None], side: SideGateUp) -> N
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _STREAMS:
         # High priority: its blocks go ahead of the GEMM's waiting ones as SMs free up, so the
@@ -204,7 +204,7 @@ def side_methods(
         assert ready is not None
         stream = None
         if ready.event is not None:
-            stream = side_stream(ready.x.device)
+            stream = _side_stream(ready.x.device)
             stream.wait_event(ready.event)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             # Allocated on the side stream: a block the main stream freed after the event may

@@ -10,10 +10,7 @@ and logs one line saying what it did:
   slices, rank > 128) go to vLLM's own implementation. It also routes
   `PunicaWrapperGPU.add_lora_linear` (attention and other dense layers) through
   `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode batches of up to
-  DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; it runs unquantized LoRA linear
-  layers as one op, base GEMM and LoRA (`torch.ops.loraplex.linear_with_lora`), which at decode
-  sizes starts the LoRA's shrink beside the GEMM (`lora_dense_beside`); and it
-  builds the MoE-LoRA routing
+  DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
   pairs on; and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
@@ -49,7 +46,6 @@ ENV_SWITCH = "LORAPLEX_ENGINE__MOE_LORA_KERNELS"
 SUPPORTED_VLLM = ("0.26.",)
 OP_NAME = "loraplex::fused_moe_lora"
 DENSE_OP_NAME = "loraplex::lora_linear"
-LINEAR_OP_NAME = "loraplex::linear_with_lora"
 ALIGN_OP_NAME = "loraplex::moe_lora_align_block_size"
 # Our per-token dense kernels (GEMVs) serve batches up to this size (vLLM captures decode CUDA
 # graphs up to max_num_seqs); larger ones go to our tiled kernels.
@@ -99,15 +95,10 @@ def compile_cache_config(enabled: bool) -> dict[str, str]:
 _LIBRARY: list[Any] = []  # the torch.library.Library our ops live in, kept alive with the process
 
 
-def _register_op(
-    qualified: str,
-    fn: Callable[..., Any],
-    mutates_args: tuple[str, ...],
-    fake: Callable[..., Any] | None = None,
-) -> Any:
+def _register_op(qualified: str, fn: Callable[..., None], mutates_args: tuple[str, ...]) -> Any:
     """The op `qualified` ("loraplex::name") with `fn`'s schema, dispatched straight to `fn` on
-    CUDA, and `fake` for torch.compile (for an op that only writes its arguments, a no-op);
-    vLLM registers its own ops so too (`direct_register_custom_op`).
+    CUDA, and a no-op fake for torch.compile; vLLM registers its own ops so too
+    (`direct_register_custom_op`).
 
     Not torch.library.custom_op: each call of one goes through Python dispatch layers (an
     ADInplaceOrView kernel, a dynamo-disabled wrapper, alias checks), and a prefill of 16 x 1600
@@ -122,7 +113,7 @@ def _register_op(
     library = _LIBRARY[0]
     library.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
     library.impl(name, fn, "CUDA")
-    library._register_fake(name, fake or (lambda *args, **kwargs: None))
+    library._register_fake(name, lambda *args, **kwargs: None)
     return getattr(torch.ops.loraplex, name)
 
 
@@ -189,13 +180,16 @@ def _define_op(original: Callable[..., None]) -> Any:
 def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -> Any:
     """torch.ops.loraplex.lora_linear: `PunicaWrapperGPU.add_lora_linear`'s work as one op: our
     per-token kernels for decode batches, our tiled ones for prefill batches, vLLM's `shrink` and
-    `expand` (its eager implementations) for layouts ours do not take. Also defines
-    torch.ops.loraplex.linear_with_lora (`_define_linear_op`).
+    `expand` (its eager implementations) for layouts ours do not take.
 
-    Above decode sizes the LoRA runs after its base GEMM, on the main stream.
-    Starting the prefill shrink beside the GEMM on the MoE side stream (e84b910) lost on the
-    H200 in two interleaved A/Bs: prefill 0.4464 and 0.4497 s against 0.4405 and 0.4435 s
-    (bench/e2e rows e84b910-ab*)."""
+    The LoRA runs after its base GEMM, on the main stream. Starting the prefill shrink beside
+    the GEMM on the MoE side stream (e84b910: the GEMM and the LoRA as one op) lost on the H200
+    in two interleaved A/Bs: prefill 0.4464 and 0.4497 s against 0.4405 and 0.4435 s, decode
+    66.63 and 66.61 against 66.89 and 67.03 tok/s per request (bench/e2e rows e84b910-ab*).
+    The decode shrink beside the GEMM (6b45a17, in CUDA graphs; the expand after the join, so
+    no longer under PDL) lost too: 66.33 and 66.00 against 66.95 and 66.91 tok/s per request,
+    interleaved on one H200 (rows 6b45a17-ab*, 839ce7f-ab*): the shrink's own time it took off
+    the main stream was less than the launch latency PDL had hidden for the expand."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
     from .lora_dense_op import UnsupportedDenseCall, lora_dense
@@ -236,48 +230,7 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
         shrink(x, lora_a, buffer, *meta, scale)
         expand(buffer, lora_b, y, *meta, offset_start=0, add_inputs=add_inputs)
 
-    registered = _register_op(DENSE_OP_NAME, op, mutates_args=("y",))
-    _define_linear_op(op)
-    return registered
-
-
-def _define_linear_op(lora_linear: Callable[..., None]) -> Any:
-    """torch.ops.loraplex.linear_with_lora: an unquantized LoRA linear layer, base GEMM and LoRA,
-    as one op: for decode batches (up to DENSE_MAX_TOKENS tokens) on CUDA with the LoRA's
-    shrink beside the GEMM (`lora_dense_beside`), else the GEMM, then `lora_linear` (the dense
-    op's body)."""
-    from .lora_dense_beside import linear_with_shrink_beside, takes_layout
-
-    def op(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        lora_a: list[torch.Tensor],
-        lora_b: list[torch.Tensor],
-        scale: float,
-        token_lora_mapping: torch.Tensor,
-        token_indices_sorted_by_lora_ids: torch.Tensor,
-        num_tokens_per_lora: torch.Tensor,
-        lora_token_start_loc: torch.Tensor,
-        lora_ids: torch.Tensor,
-        no_lora_flag_cpu: torch.Tensor,
-        num_active_loras: torch.Tensor,
-    ) -> torch.Tensor:
-        beside = x.is_cuda and 0 < x.shape[0] <= DENSE_MAX_TOKENS
-        if beside and not bool(no_lora_flag_cpu.item()) and takes_layout(x, weight, lora_a, lora_b):
-            return linear_with_shrink_beside(
-                x, weight, bias, lora_a, lora_b, scale, token_lora_mapping
-            )
-        y = torch.nn.functional.linear(x, weight, bias)
-        lora_linear(y, x, lora_a, lora_b, scale, token_lora_mapping,
-                    token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
-                    lora_ids, no_lora_flag_cpu, num_active_loras, True)  # fmt: skip
-        return y
-
-    def fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
-    return _register_op(LINEAR_OP_NAME, op, mutates_args=(), fake=fake)
+    return _register_op(DENSE_OP_NAME, op, mutates_args=("y",))
 
 
 def _define_align_op(original: Callable[..., None]) -> Any:
@@ -340,50 +293,6 @@ def _add_lora_linear(
         y.view(-1, y.shape[-1]), x2, list(lora_a_stacked), list(lora_b_stacked), float(scale),
         *meta, bool(kwargs.get("add_inputs", True)),
     )  # fmt: skip
-
-
-def _patch_linear_apply() -> None:
-    """Route `BaseLinearLayerWithLoRA._apply_sync` (vLLM 0.26: the base GEMM, then
-    add_lora_linear on its output) through torch.ops.loraplex.linear_with_lora for unquantized
-    layers on 2-D inputs, so that one op sees the GEMM and its LoRA (`lora_dense_beside`); other
-    calls keep vLLM's way, with add_lora_linear ours."""
-    from vllm import envs
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.utils import (
-        default_unquantized_gemm,
-        dispatch_unquantized_gemm,
-    )
-
-    original = BaseLinearLayerWithLoRA._apply_sync
-    if getattr(original, "_loraplex", False):
-        return
-    # What UnquantizedLinearMethod.apply would run: F.linear, unless batch invariance is on.
-    plain_gemm = dispatch_unquantized_gemm() is default_unquantized_gemm and not (
-        envs.VLLM_BATCH_INVARIANT
-    )
-
-    @functools.wraps(original)
-    def _apply_sync(self: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        ours = (
-            plain_gemm
-            and x.ndim == 2
-            and type(self.base_layer.quant_method) is UnquantizedLinearMethod
-            and isinstance(self.punica_wrapper, PunicaWrapperGPU)
-        )
-        if not ours:
-            return original(self, x, bias)
-        meta = self.punica_wrapper.token_mapping_meta.meta_args(
-            x.size(0), self.lora_config.specialize_active_lora
-        )
-        return torch.ops.loraplex.linear_with_lora(
-            x, self.base_layer.weight, bias, list(self.lora_a_stacked),
-            list(self.lora_b_stacked), 1.0, *meta,
-        )  # fmt: skip
-
-    _apply_sync._loraplex = True  # type: ignore[attr-defined]
-    BaseLinearLayerWithLoRA._apply_sync = _apply_sync  # type: ignore[method-assign]
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -508,13 +417,11 @@ def _patch() -> PluginState:
     punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
-    _patch_linear_apply()
     patch_triton_experts()
     _patch_warm_up()
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
              "fused into SiLU-and-mul, beside the base GEMMs at prefill and in CUDA graphs), "
-             "add_lora_linear (at decode sizes its shrink beside the base GEMM), "
-             "moe_lora_align_block_size and the LoRA "
+             "add_lora_linear, moe_lora_align_block_size and the LoRA "
              "batch metadata (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 

@@ -1,7 +1,6 @@
-"""The dense (attention) LoRA ops, decode (per-token, also around the base GEMM as
-`lora_dense_beside` runs it) and prefill (tiled by adapter), against their plain-torch spec, on
-the CPU interpreter in fp32 and fp16: q/k/v-like slices of different widths, odd sizes, tokens
-without adapter."""
+"""The dense (attention) LoRA ops, decode (per-token) and prefill (tiled by adapter), against
+their plain-torch spec, on the CPU interpreter in fp32 and fp16: q/k/v-like slices of different
+widths, odd sizes, tokens without adapter."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from loraplex.kernels import lora_dense_beside
 from loraplex.kernels.lora_dense_op import (
     UnsupportedDenseCall,
     lora_dense,
@@ -131,37 +129,3 @@ def test_layouts_it_does_not_take_are_refused() -> None:
         lora_dense(y, x, a, b, tlm)
     with pytest.raises(UnsupportedDenseCall, match=r"must be \(L, 1, R, K=64\)"):
         lora_dense(y, x, [a[0][:, 0]], [b[0]], tlm)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_linear_with_shrink_beside_is_the_gemm_plus_the_lora(dtype: torch.dtype) -> None:
-    """The GEMM with its shrink started first (in order on the CPU) and the expand after it
-    gives F.linear plus the spec's delta; tokens without adapter get the GEMM's output alone."""
-    tokens, k, rank, widths, slots = 13, 96, 16, [40, 8, 8], 4
-    _, x, a, b, tlm = make(tokens, k, rank, widths, slots, dtype, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    weight = (torch.randn(sum(widths), k, generator=gen) / k**0.5).to(DEVICE, dtype)
-    bias = torch.randn(sum(widths), generator=gen).to(DEVICE, dtype)
-    assert lora_dense_beside.takes_layout(x, weight, a, b)
-    out = lora_dense_beside.linear_with_shrink_beside(x, weight, bias, a, b, 0.5, tlm)
-    gemm = torch.nn.functional.linear(x, weight, bias)
-    untouched = tlm < 0
-    assert untouched.any() and (~untouched).any()
-    assert torch.equal(out[untouched], gemm[untouched])
-    ref = gemm.double().cpu()
-    lora_dense_reference(ref, x.cpu(), [t.cpu() for t in a], [t.cpu() for t in b], tlm.cpu(), 0.5)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert float((out.double().cpu() - ref).norm() / ref.norm()) < tol
-
-
-def test_only_layouts_the_kernels_take_go_beside() -> None:
-    """Up to three slices, whose widths fit the GEMM's output."""
-    k, widths = 64, [16, 8, 8]
-    x = torch.empty(4, k)
-    a = [torch.empty(2, 1, 8, k) for _ in widths]
-    b = [torch.empty(2, 1, n, 8) for n in widths]
-    weight = torch.empty(sum(widths), k)
-    assert lora_dense_beside.takes_layout(x, weight, a, b)
-    assert not lora_dense_beside.takes_layout(x, weight[:-1], a, b)  # widths exceed the output
-    four = [torch.empty(2, 1, 8, k) for _ in range(4)], [torch.empty(2, 1, 8, 8)] * 4
-    assert not lora_dense_beside.takes_layout(x, torch.empty(32, k), *four)

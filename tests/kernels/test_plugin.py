@@ -86,7 +86,7 @@ def test_warm_up_rows_cover_one_row_and_both_sides_of_128_within_the_batch() -> 
 
 
 def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> None:
-    """The four ops are registered as vLLM registers its own: a CUDA kernel and a fake, no
+    """The three ops are registered as vLLM registers its own: a CUDA kernel and a fake, no
     torch.library.custom_op layers (their per-call Python cost is what the change removed), and
     the arguments vLLM's callers expect written in place are marked so in the schema."""
     import torch
@@ -97,7 +97,6 @@ def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> 
     ops = {
         "fused_moe_lora": (plugin._define_op(lambda *args: None), {"output"}),
         "lora_linear": (plugin._define_dense_op(lambda *args: None, lambda *args: None), {"y"}),
-        "linear_with_lora": (torch.ops.loraplex.linear_with_lora, set()),
         "moe_lora_align_block_size": (
             plugin._define_align_op(lambda *args: None),
             {"sorted_token_ids", "experts_ids", "num_tokens_post_pad"},
@@ -114,22 +113,3 @@ def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> 
             a.name for a in op.default._schema.arguments if a.alias_info and a.alias_info.is_write
         }
         assert written == mutated
-
-
-def test_linear_with_lora_traces_to_the_gemms_output_shape() -> None:
-    """torch.compile sees linear_with_lora through its fake: a (tokens, out_features) tensor
-    like x's, as the base GEMM it replaces returns."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from loraplex.kernels import plugin
-
-    plugin._define_dense_op(lambda *args: None, lambda *args: None)
-    with FakeTensorMode():
-        x, weight = torch.empty(5, 8, dtype=torch.bfloat16), torch.empty(12, 8)
-        a, b = [torch.empty(2, 1, 4, 8)], [torch.empty(2, 1, 12, 4)]
-        meta = [torch.empty(5, dtype=torch.int32) for _ in range(5)]
-        out = torch.ops.loraplex.linear_with_lora(
-            x, weight, None, a, b, 1.0, *meta, torch.empty(1), torch.empty(1)
-        )
-    assert (tuple(out.shape), out.dtype) == ((5, 12), torch.bfloat16)
