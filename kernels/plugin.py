@@ -188,8 +188,9 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
     66.63 and 66.61 against 66.89 and 67.03 tok/s per request (bench/e2e rows e84b910-ab*).
     The decode shrink beside the GEMM (6b45a17, in CUDA graphs; the expand after the join, so
     no longer under PDL) lost too: 66.33 and 66.00 against 66.95 and 66.91 tok/s per request,
-    interleaved on one H200 (rows 6b45a17-ab*, 839ce7f-ab*): the shrink's own time it took off
-    the main stream was less than the launch latency PDL had hidden for the expand."""
+    interleaved on one H200 (rows 6b45a17-ab*, 839ce7f-ab*). Not profiled; the likely cause is
+    that the expand, launched after the join, no longer had its launch hidden by PDL, and that
+    cost more than the shrink's time taken off the main stream."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
     from .lora_dense_op import UnsupportedDenseCall, lora_dense
