@@ -8,7 +8,9 @@ base/stock/plugin: the workload of issue 6 on a Qwen3-30B-A3B-shaped model with 
 600 output tokens, 8 rank-32 adapters on attention and all experts, round robin, CUDA graphs on.
 Per repetition (default 3, fresh prompts each, no prefix-cache hits): the prefill time of the 16
 prompts (max_tokens=1) and the output tokens/s per request, (600 - 1) / (total - prefill), the
-proxy of ../shared/gpu/example_bench_offline.py whose baseline the issue quotes.
+proxy of ../shared/gpu/example_bench_offline.py whose baseline the issue quotes. Each prefill
+also counts what could stall it (`stall_counts`: allocator retries, cudaMalloc/cudaFree, full
+garbage collections), so a slow one can be told from a slow kernel.
 
 check: greedy tokens with and without the plugin on a small Qwen3-MoE with real random weights
 (transformers, seeded) and two adapters; the first 16 tokens must agree.
@@ -22,6 +24,7 @@ vLLM's engine processes: 0 for stock, 1 for plugin. Each mode runs in its own pr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -165,10 +168,14 @@ def run_workload(ns: argparse.Namespace) -> dict:
         prefills: list[dict[str, float]] = []
         for _ in range(PREFILLS_PER_REP):
             batch = prompts()  # drawn before the clock starts: 25,600 randrange calls
+            before = stall_counts()
             with GpuClocks(interval_s=0.02) as prefill_clocks:
                 t = time.time()
                 llm.generate(batch, one, lora_request=lrs, use_tqdm=False)
-                prefills.append({"s": time.time() - t, **prefill_clocks.medians})
+                wall = time.time() - t
+            after = stall_counts()
+            prefills.append({"s": wall, **prefill_clocks.medians,
+                             **{k: after[k] - before[k] for k in after}})  # fmt: skip
         prefill = prefills[0]["s"]
         t = time.time()
         with GpuClocks() as clocks:
@@ -210,6 +217,23 @@ def run_workload(ns: argparse.Namespace) -> dict:
         "otps_per_req_median": statistics.median(r["otps_per_req"] for r in reps),
         "prefill_s_median": statistics.median(r["prefill_s"] for r in reps),
     }  # fmt: skip
+
+
+# Events that stall a step and can differ from one prefill to the next: the CUDA caching
+# allocator's retries (it frees its cached blocks and synchronizes the device, then allocates
+# again), its cudaMalloc/cudaFree calls, and Python's full garbage collections. Counted in this
+# process, which holds the model with the engine in process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def stall_counts() -> dict[str, int]:
+    """Running totals of ALLOCATOR_COUNTS on GPU 0 and of generation-2 garbage collections."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    counts = {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
+    counts["gc_full_collections"] = gc.get_stats()[2]["collections"]
+    return counts
 
 
 class GpuClocks:
