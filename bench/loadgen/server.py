@@ -14,7 +14,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,15 +111,27 @@ def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
                 process.wait()
 
 
+def answers_ready(
+    base_url: str,
+    process: subprocess.Popen[bytes],
+    log_tail: Callable[[], str],
+    path: str = "/ready",
+) -> bool:
+    """Whether the server at base_url answers `path` with 200. Raises RuntimeError with
+    log_tail() if its process has exited: a crash at start is not a slow start."""
+    if process.poll() is not None:
+        raise RuntimeError(f"server exited with {process.returncode} at start:\n{log_tail()}")
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(base_url + path, timeout=2).status_code == 200
+    return False
+
+
 def _wait_ready(server: LiveServer) -> None:
+    def log_tail() -> str:
+        return server.log_text()[-4000:]
+
     def ready() -> bool:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"loraplex exited at start:\n{server.log_text()[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(server.base_url + "/ready", timeout=2).status_code == 200
-        return False
+        return answers_ready(server.base_url, server.process, log_tail)
 
     if not wait_until(ready, START_TIMEOUT_S, interval=0.5):
-        raise RuntimeError(
-            f"loraplex not ready after {START_TIMEOUT_S} s:\n{server.log_text()[-4000:]}"
-        )
+        raise RuntimeError(f"loraplex not ready after {START_TIMEOUT_S} s:\n{log_tail()}")

@@ -12,10 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-
 from bench.loadgen.polling import wait_until
-from bench.loadgen.server import free_port
+from bench.loadgen.server import answers_ready, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +48,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             self.command,
             env=self.env,
             stdout=log,
@@ -58,19 +56,15 @@ class ServerProcess:
             cwd=REPO,
             start_new_session=True,  # so kill() reaches vLLM's engine-core child too
         )
-        if wait_until(self._ready, timeout, 0.5):
+        self.proc = proc
+
+        def ready() -> bool:
+            return answers_ready(self.base_url, proc, self.log_tail, self.ready_path)
+
+        if wait_until(ready, timeout, 0.5):
             return self
         self.stop()
         raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
-
-    def _ready(self) -> bool:
-        """Whether the server answers its ready path; raises if it has exited."""
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-        try:
-            return httpx.get(self.base_url + self.ready_path, timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
