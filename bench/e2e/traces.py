@@ -10,6 +10,10 @@ such as vllm::moe_forward and loraplex's show there). Otherwise the kernel was q
 and waited for something else (another stream's event, a copy), and the gap is charged to
 "queued in time". Host runtime calls longer than GAP_US inside late gaps (cudaMalloc,
 cudaStreamSynchronize and the like) are summed by name.
+
+Per stream: the main stream (the one with the most kernel time) is the step's critical path,
+so its kernel time by group plus its idle is the step; the idle it spends while only other
+streams' kernels run is its wait on them (loraplex's side stream, joined by an event).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Kernel:
     end: float
     name: str
     correlation: Any
+    stream: Any = None
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,10 @@ def read_trace(folder: Path) -> Trace:
         for ev in events:
             cat, name = ev.get("cat"), ev.get("name", "")
             ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
-            correlation = (ev.get("args") or {}).get("correlation")
+            args = ev.get("args") or {}
+            correlation = args.get("correlation")
             if cat == "kernel":
-                trace.kernels.append(Kernel(ts, ts + dur, name, correlation))
+                trace.kernels.append(Kernel(ts, ts + dur, name, correlation, args.get("stream")))
             elif cat in HOST_OP_CATS:
                 trace.ops.setdefault(ev.get("tid"), []).append((ts, ts + dur, name))
             elif cat == "cuda_runtime":
@@ -175,13 +181,59 @@ def host_waits(trace: Trace, steps: int) -> dict[str, list[float]]:
     return {k: [int(v[0]), round(v[1] / steps, 1)] for k, v in top}
 
 
+def kernel_group(name: str) -> str:
+    return next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
+
+
+def _overlap(gaps: list[Gap], kernels: list[Kernel]) -> float:
+    """µs of the gaps during which at least one of the kernels (sorted by start) ran."""
+    _, _, own_gaps = kernel_union(kernels)
+    spans = []  # the kernels' union as (start, end) intervals
+    if kernels:
+        start = kernels[0].start
+        for g in own_gaps:
+            spans.append((start, g.start))
+            start = g.end
+        spans.append((start, max(k.end for k in kernels)))
+    return sum(max(0.0, min(g.end, hi) - max(g.start, lo)) for g in gaps for lo, hi in spans)
+
+
+def stream_split(kernels: list[Kernel], steps: int) -> dict[str, Any]:
+    """The main stream's kernel time by group and its idle (the part while other streams'
+    kernels ran: its wait on them), and the other streams' kernel time by group, per step."""
+    by_stream: dict[Any, list[Kernel]] = {}
+    for k in kernels:
+        by_stream.setdefault(k.stream, []).append(k)
+    if not by_stream:
+        return {}
+    main = max(by_stream, key=lambda s: sum(k.end - k.start for k in by_stream[s]))
+    others = sorted((k for s, ks in by_stream.items() if s != main for k in ks),
+                    key=lambda k: (k.start, k.end))  # fmt: skip
+
+    def groups(ks: list[Kernel]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for k in ks:
+            totals[kernel_group(k.name)] = totals.get(kernel_group(k.name), 0.0) + k.end - k.start
+        return {g: round(us / steps, 1) for g, us in sorted(totals.items())}
+
+    busy, span, gaps = kernel_union(by_stream[main])
+    return {
+        "main_busy": round(busy / steps, 1),
+        "main_idle": round((span - busy) / steps, 1),
+        "main_idle_while_others_run": round(_overlap(gaps, others) / steps, 1),
+        "main_groups": groups(by_stream[main]),
+        "other_streams": len(by_stream) - 1,
+        "other_groups": groups(others),
+    }
+
+
 def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
     """The summaries of the module docstring for the trace files under `folder`, per step."""
     trace = read_trace(folder)
     totals: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for k in trace.kernels:
-        group = next((g for g, rx in KERNEL_GROUPS if re.search(rx, k.name)), "other")
+        group = kernel_group(k.name)
         totals[group] = totals.get(group, 0.0) + k.end - k.start
         by_name.setdefault(k.name, []).append(k.end - k.start)
     per_step: dict[str, Any] = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
@@ -197,4 +249,5 @@ def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
     per_step["kernels_overlapped"] = round((sum(totals.values()) - busy) / steps, 1)
     per_step["gpu_gaps"] = idle_causes(trace, gaps, steps)
     per_step["host_waits"] = host_waits(trace, steps)
+    per_step["streams"] = stream_split(trace.kernels, steps)
     return per_step

@@ -71,3 +71,26 @@ def test_overlapping_kernels_count_once_and_per_step(tmp_path: Path) -> None:
     assert summary["moe_sum_ours"] == 15.0 and summary["moe_lora_ours"] == 25.0
     assert summary["gpu_gaps"]["count"] == 0  # 10 µs is under GAP_US
     assert summary["gpu_gaps"]["idle_by_cause"] == {"(no host op)": [0.5, 5.0]}
+
+
+def test_the_main_stream_is_split_from_the_side_stream_and_its_wait_on_it(tmp_path: Path) -> None:
+    # Main stream 7: GEMM 0-100, then the fused activation 130-140 after an event join on the
+    # side stream 9, whose shrink ran 20-60 and whose expand ran 90-125: main idled 100-130,
+    # 25 µs of it while the side stream's expand ran.
+    def on(stream: int, name: str, ts: float, dur: float, corr: int) -> dict:
+        ev = kernel(name, ts, dur, corr)
+        ev["args"]["stream"] = stream
+        return ev
+
+    events = [
+        on(7, "fused_moe_kernel", 0, 100, 1), launch(-5, 1),
+        on(9, "moe_lora_shrink_kernel", 20, 40, 2), launch(-4, 2),
+        on(9, "moe_lora_expand_kernel", 90, 35, 3), launch(-3, 3),
+        on(7, "moe_lora_expand_silu_and_mul_kernel", 130, 10, 4), launch(-2, 4),
+    ]  # fmt: skip
+    streams = summarize_traces(write(tmp_path, events), steps=1)["streams"]
+    assert streams == {
+        "main_busy": 110.0, "main_idle": 30.0, "main_idle_while_others_run": 25.0,
+        "main_groups": {"moe_base": 100.0, "moe_lora_ours": 10.0},
+        "other_streams": 1, "other_groups": {"moe_lora_ours": 75.0},
+    }  # fmt: skip
