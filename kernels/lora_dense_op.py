@@ -74,6 +74,31 @@ def padded_slices(
     return [*lora_a, *lora_a[-1:] * pad], [*lora_b, *lora_b[-1:] * pad], widths
 
 
+# Launch shape. Both rules come from bench/kernels/bench_dense_decode.py on the H200 (Qwen3-30B-A3B
+# attention, 8 rank-32 slots, each call after its base GEMM, over cold weights; rows of
+# 2026-11-24 in bench/kernels/results/dense_decode_nvidia_h200.json). What the LoRA added to the
+# GEMM at 16 tokens: o with 32 K ranges of 128 took 6.6 us, with 16 ranges of 256 4.6 us; qkv
+# with 64-column expand tiles 7.7 us, 256 columns 6.0 us (64 tokens: 14.8 and 9.6 us). In the
+# e2e decode (bench_e2e.py, one H200, medians of 3) 67.14 -> 68.08 and 68.10 tok/s per request
+# against 839ce7f's shapes (base 75.71).
+SHRINK_PROGRAMS_PER_SM = 4  # decode batches are too small to fill the GPU otherwise
+MIN_K_PER_RANGE = 256  # below it the expand's sum over the ranges costs more than they save
+WIDE_SLICE = 4096  # a slice this wide (q) takes WIDE_BLOCK_N columns per expand program
+WIDE_BLOCK_N, BLOCK_N = 256, 128
+
+
+def launch_shape(tokens: int, k: int, slices: int, widest: int, sms: int) -> tuple[int, int]:
+    """(split_k, block_n) for a call: K ranges doubling while the shrink has under
+    SHRINK_PROGRAMS_PER_SM programs per SM and each range keeps MIN_K_PER_RANGE of K; expand
+    tiles of WIDE_BLOCK_N columns where the widest slice has WIDE_SLICE or more, else BLOCK_N."""
+    split_k = 1
+    while 2 * split_k * MIN_K_PER_RANGE <= k and tokens * slices * split_k < (
+        SHRINK_PROGRAMS_PER_SM * sms
+    ):
+        split_k *= 2
+    return split_k, WIDE_BLOCK_N if widest >= WIDE_SLICE else BLOCK_N
+
+
 def lora_dense(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -83,11 +108,9 @@ def lora_dense(
     scale: float = 1.0,
     add_inputs: bool = True,
     split_k: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> None:
-    """y (+)= LoRA delta per the module docstring. split_k None: enough K ranges to give the
-    shrink about four programs per SM (decode batches are too small to fill the GPU otherwise).
-    """
+    """y (+)= LoRA delta per the module docstring; split_k and block_n None: `launch_shape`'s."""
     check_layout(y, x, lora_a, lora_b)
     num_tokens, k = x.shape
     if num_tokens == 0:
@@ -97,11 +120,10 @@ def lora_dense(
     block_r = max(16, triton.next_power_of_2(rank))
     block_k = 128 if k >= 128 else triton.next_power_of_2(k)
     on_cuda = x.device.type == "cuda"
-    if split_k is None:
-        sms = _sm_count(x.device.index or 0) if on_cuda else 4
-        split_k = 1
-        while split_k * block_k * 2 <= k and num_tokens * slices * split_k < 4 * sms:
-            split_k *= 2
+    sms = _sm_count(x.device.index or 0) if on_cuda else 4
+    auto_split, auto_n = launch_shape(num_tokens, k, slices, max(t.shape[2] for t in lora_b), sms)
+    split_k = split_k or auto_split
+    block_n = block_n or auto_n
     ws = torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32, device=x.device)
     a, b, widths = padded_slices(lora_a, lora_b)
     use_pdl = on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9

@@ -11,6 +11,7 @@ import torch
 
 from loraplex.kernels.lora_dense_op import (
     UnsupportedDenseCall,
+    launch_shape,
     lora_dense,
     lora_dense_reference,
 )
@@ -129,3 +130,19 @@ def test_layouts_it_does_not_take_are_refused() -> None:
         lora_dense(y, x, a, b, tlm)
     with pytest.raises(UnsupportedDenseCall, match=r"must be \(L, 1, R, K=64\)"):
         lora_dense(y, x, [a[0][:, 0]], [b[0]], tlm)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "slices", "widest", "want"),
+    [
+        (16, 4096, 1, 2048, (16, 128)),  # o at decode: ranges of 256, not 32 of 128
+        (16, 2048, 3, 4096, (8, 256)),  # qkv: q's 4096 columns take 256-wide tiles
+        (64, 2048, 3, 4096, (4, 256)),  # enough shrink programs: 64 x 3 x 4 >= 4 x 132
+        (1, 4096, 1, 2048, (16, 128)),  # one token: ranges stop at 256 of K
+        (4, 300, 1, 64, (1, 128)),  # K under two ranges of 256: no split
+    ],
+)
+def test_launch_shape_keeps_k_ranges_of_256_and_widens_tiles_for_wide_slices(
+    tokens: int, k: int, slices: int, widest: int, want: tuple[int, int]
+) -> None:
+    assert launch_shape(tokens, k, slices, widest, sms=132) == want
