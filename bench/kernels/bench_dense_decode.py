@@ -25,6 +25,7 @@ from vllm.lora.ops.triton_ops.lora_expand_op import _lora_expand
 from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 
 from loraplex.kernels.lora_dense_op import lora_dense
+from loraplex.kernels.moe_lora_configs import gpu_slug
 from loraplex.kernels.moe_lora_workload import L2_BYTES, time_interleaved
 
 SLOTS, RANK = 8, 32
@@ -129,7 +130,7 @@ def main() -> None:
                       f"x{row['lora_vs_vllm']:5.2f} vs vllm err {row['rel_err_vs_vllm']:.1e}",
                       flush=True)  # fmt: skip
     ns.out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in gpu).lower()
+    slug = gpu_slug(gpu)
     (ns.out / f"dense_decode_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 

@@ -34,6 +34,7 @@ from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 
 from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
+from loraplex.kernels.moe_lora_configs import gpu_slug
 from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_sum import moe_sum_with_delta
 from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_interleaved
@@ -191,7 +192,7 @@ def main() -> None:
               f"{row['vllm_us']:8.1f} ours {row['ours_us']:8.1f} x{row['speedup']:5.2f} {extra}",
               flush=True)  # fmt: skip
     ns.out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in gpu).lower()
+    slug = gpu_slug(gpu)
     (ns.out / f"lora_prefill_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 

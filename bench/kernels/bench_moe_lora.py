@@ -29,7 +29,13 @@ from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
 from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
-from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, lookup, write_configs
+from loraplex.kernels.moe_lora_configs import (
+    MoeLoraConfig,
+    ShapeKey,
+    gpu_slug,
+    lookup,
+    write_configs,
+)
 from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_workload import (
@@ -274,7 +280,7 @@ def main() -> None:
     if ns.tune:
         print("wrote", write_configs(gpu, ns.tuned))
     ns.out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in gpu).lower()
+    slug = gpu_slug(gpu)
     name = f"moe_lora_{slug}.json" if ns.align == "vllm" else f"moe_lora_{slug}_align_ours.json"
     (ns.out / name).write_text(json.dumps(rows, indent=1) + "\n")
 
