@@ -185,6 +185,15 @@ def kernel_group(name: str) -> str:
     return next((g for g, rx in KERNEL_GROUPS if re.search(rx, name)), "other")
 
 
+def group_totals(kernels: list[Kernel]) -> dict[str, float]:
+    """Kernel µs by KERNEL_GROUPS group (unknown names under "other")."""
+    totals: dict[str, float] = {}
+    for k in kernels:
+        group = kernel_group(k.name)
+        totals[group] = totals.get(group, 0.0) + k.end - k.start
+    return totals
+
+
 def _overlap(gaps: list[Gap], kernels: list[Kernel]) -> float:
     """µs of the gaps during which at least one of the kernels (sorted by start) ran."""
     _, _, own_gaps = kernel_union(kernels)
@@ -211,10 +220,7 @@ def stream_split(kernels: list[Kernel], steps: int) -> dict[str, Any]:
                     key=lambda k: (k.start, k.end))  # fmt: skip
 
     def groups(ks: list[Kernel]) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for k in ks:
-            totals[kernel_group(k.name)] = totals.get(kernel_group(k.name), 0.0) + k.end - k.start
-        return {g: round(us / steps, 1) for g, us in sorted(totals.items())}
+        return {g: round(us / steps, 1) for g, us in sorted(group_totals(ks).items())}
 
     busy, span, gaps = kernel_union(by_stream[main])
     return {
@@ -230,11 +236,9 @@ def stream_split(kernels: list[Kernel], steps: int) -> dict[str, Any]:
 def summarize_traces(folder: Path, steps: int) -> dict[str, Any]:
     """The summaries of the module docstring for the trace files under `folder`, per step."""
     trace = read_trace(folder)
-    totals: dict[str, float] = {}
+    totals = group_totals(trace.kernels)
     by_name: dict[str, list[float]] = {}
     for k in trace.kernels:
-        group = kernel_group(k.name)
-        totals[group] = totals.get(group, 0.0) + k.end - k.start
         by_name.setdefault(k.name, []).append(k.end - k.start)
     per_step: dict[str, Any] = {g: round(us / steps, 1) for g, us in sorted(totals.items())}
     per_step["all_kernels"] = round(sum(totals.values()) / steps, 1)
