@@ -209,15 +209,26 @@ def fused_moe_lora(
     )
     use_pdl = pdl_ok and num_pairs <= PDL_MAX_PAIRS
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
-    kt.moe_lora_shrink_kernel[(num_units, slice_programs, split)](
-        x, a0, a1, ws, *routing, k, *lengths,
-        x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
-        TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
-        BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
-        EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
-        FUSE_SLICES=fuse_slices, num_stages=config.num_stages, **config.launch_options(),
-        **pdl_kwargs,
-    )  # fmt: skip
+    if config.gemv_shrink:
+        if sorted_form:
+            raise ValueError("gemv_shrink serves the naive routing form only")
+        kt.moe_lora_gemv_shrink_kernel[(num_units, len(lora_a), split)](
+            x, a0, a1, ws, expert_ids, token_lora_mapping, adapter_enabled, k, num_pairs,
+            top_k_num, num_units, num_slots, x.stride(0), x.stride(1), *a0.stride(),
+            TOKEN_FACTOR=token_factor, BLOCK_R=block_r, RANK=rank,
+            BLOCK_K=gemv_block_k(k, split), SPLIT_K=split, USE_PDL=use_pdl,
+            **config.launch_options(), **pdl_kwargs,
+        )  # fmt: skip
+    else:
+        kt.moe_lora_shrink_kernel[(num_units, slice_programs, split)](
+            x, a0, a1, ws, *routing, k, *lengths,
+            x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
+            TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
+            BLOCK_R=block_r, RANK=rank, BLOCK_K=config.block_k, SPLIT_K=split,
+            EVEN_K=k % (config.block_k * split) == 0, WS_ROWS=ws_rows, USE_PDL=use_pdl,
+            FUSE_SLICES=fuse_slices, num_stages=config.num_stages, **config.launch_options(),
+            **pdl_kwargs,
+        )  # fmt: skip
     expand = SplitExpand(
         ws, b0, b1, out2d, topk_weights, routing, n, lengths, (stride_sl, stride_el), offset,
         sorted_form, block_m, lora_pad, block_r, rank, config,
@@ -337,6 +348,11 @@ def before_output_write() -> None:
     `defer_gate_up_expand(before_output_write=...)`."""
     if (hook := _before_output_write.get()) is not None:
         hook()
+
+
+def gemv_block_k(k: int, split: int) -> int:
+    """The GEMV shrink's tile width: its whole K range (ranges start at multiples of 64)."""
+    return triton.next_power_of_2(triton.cdiv(triton.cdiv(k, split), 64) * 64)
 
 
 def _expand_parts(config: MoeLoraConfig, sorted_form: bool, block_m: int) -> int:

@@ -43,14 +43,15 @@ FINALISTS = 4
 PREFILL_MIN_PAIRS = 8192
 
 
-def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
+def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list[MoeLoraConfig]:
     """A short list (each candidate costs a compile per shape). Fused: narrow and wide N tiles,
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
     K tiles and fewer stages (less shared memory, more programs per SM), and expands of half or
     quarter blocks over several N tiles, also under a register cap. Split: 1 to 16 K ranges,
     for gate/up a shrink that does both slices at the two smallest splits (also with an expand
     over two N tiles), an expand over two N tiles at the largest split, and expands of half
-    blocks at the two smallest splits.
+    blocks at the two smallest splits. In the naive routing form (decode) also the GEMV shrink
+    over 2 to 16 K ranges of at least 64, with 4 or 8 warps.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -117,6 +118,9 @@ def candidates(k: int, num_pairs: int, slices: int) -> list[MoeLoraConfig]:
         # (blocks of one or two pairs, 23 N tiles per slice) launched ~7,800 one-tile programs.
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, expand_tiles=2)
                 for split in splits[:2]]  # fmt: skip
+    if naive:
+        out += [MoeLoraConfig("split", bk, 128, split_k=split, num_warps=warps, gemv_shrink=True)
+                for split in (2, 4, 8, 16) if k >= 64 * split for warps in (4, 8)]  # fmt: skip
     return list(dict.fromkeys(out))
 
 
@@ -190,9 +194,9 @@ def main() -> None:
                     for i in range(1, sets_needed(nbytes))
                 ]  # fmt: skip
                 num_pairs = tokens * shape.top_k
-                cands = candidates(spec.k, num_pairs, spec.slices)
-                best, timings = tune_point(sets, cands, block_m)
                 sorted_form = not naive_form(shape, tokens, args.adapters)
+                cands = candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form)
+                best, timings = tune_point(sets, cands, block_m)
                 key = shape_key(shape, spec, args.rank, sorted_form, str(dtype)).text()
                 tuned.setdefault(key, {})[num_pairs] = best
                 worst = max(timings.values())

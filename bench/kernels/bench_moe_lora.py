@@ -192,12 +192,16 @@ def bench_point(
     num_pairs = tokens * shape.top_k
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in args]
     if ns.tune:
-        cfg, _ = tune_point(args, candidates(spec.k, num_pairs, spec.slices), block_m)
+        cfg, _ = tune_point(
+            args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
+        )
     else:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         cfg = lookup(torch.cuda.get_device_name(), key, num_pairs, sms)
         if cfg.variant == "stock":  # time our best kernel anyway: the row compares kernels
-            cfg, _ = tune_point(args, candidates(spec.k, num_pairs, spec.slices), block_m)
+            cfg, _ = tune_point(
+                args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
+            )
     ours = [
         functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m, config=cfg)
         for a in args

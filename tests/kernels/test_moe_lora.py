@@ -32,6 +32,8 @@ SPLIT_SLICES = MoeLoraConfig(
     expand_tiles=3,
     max_registers=128,
 )
+# The naive form's GEMV shrink: K ranges of 64 (K = 100: the second range is partial).
+GEMV = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, gemv_shrink=True)
 CONFIGS = [SPLIT, FUSED, FUSED_SLICES, SPLIT_SLICES]
 CONFIG_IDS = ["split", "fused", "fused_slices", "split_slices"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,7 +83,7 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-2
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("config", [*CONFIGS, GEMV], ids=[*CONFIG_IDS, "gemv"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_naive_form_matches_reference(name: str, config: MoeLoraConfig) -> None:
     err = check_against_reference(CASES[name], config, torch.float32, DEVICE, seed=hash(name) % 997)
@@ -110,6 +112,18 @@ def test_sorted_form_matches_reference(name: str, config: MoeLoraConfig) -> None
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_fp16_offset_and_overwrite(case: Case, config: MoeLoraConfig) -> None:
     err = check_against_reference(case, config, torch.float16, DEVICE, seed=3)
+    assert err < _tolerance(torch.float16), err
+
+
+def test_gemv_shrink_refuses_the_sorted_form() -> None:
+    case = SORTED_CASES["t17_k2_e8_r32_a3_disabled_bm16"]
+    with pytest.raises(ValueError, match="naive routing form only"):
+        check_against_reference(case, GEMV, torch.float32, DEVICE, seed=1)
+
+
+def test_gemv_shrink_fp16_overwrite_at_an_offset() -> None:
+    case = Case(6, 2, 8, 16, 3, offset=7, add_inputs=False, k=100)
+    err = check_against_reference(case, GEMV, torch.float16, DEVICE, seed=3)
     assert err < _tolerance(torch.float16), err
 
 

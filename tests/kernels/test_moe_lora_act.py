@@ -25,6 +25,7 @@ SPLIT_PARTS = MoeLoraConfig(
     "split", block_k=32, block_n=32, split_k=2, fuse_slices=True, expand_parts=2
 )
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32)
+GEMV = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, gemv_shrink=True)
 
 
 def _sorted(case: Case, block_m: int) -> Case:
@@ -50,6 +51,14 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name: str, dtype: torch.dtype, config: MoeLoraConfig) -> None:
     err = check_expand_silu_and_mul(CASES[name], config, dtype, DEVICE, seed=len(name))
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if not CASES[n].sorted_form])
+def test_gemv_shrink_feeds_the_fused_activation(name: str, dtype: torch.dtype) -> None:
+    """The GEMV shrink writes the workspace cells the fused SiLU-and-mul reads."""
+    err = check_expand_silu_and_mul(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 

@@ -1,4 +1,5 @@
-"""The tuned-config file: a tuner run over some batches merges into what is there."""
+"""The tuned-config file: a tuner run over some batches merges into what is there; the configs
+the tuner offers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from loraplex.kernels import moe_lora_configs as configs
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey
+from loraplex.kernels.tune_moe_lora import candidates
 
 
 def test_partial_tuning_keeps_other_pair_counts(
@@ -41,3 +43,18 @@ def test_partial_tuning_keeps_other_pair_counts(
 def test_bad_launch_shape_names_the_field_and_bound(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MoeLoraConfig("split", block_k=64, block_n=128, **fields)
+
+
+def test_gemv_shrink_is_a_candidate_of_the_naive_form_only() -> None:
+    """Offered at decode in the naive form, over K ranges of at least 64 (K = 768: up to 8)."""
+    naive = [c for c in candidates(768, 32, 1, naive=True) if c.gemv_shrink]
+    assert sorted({c.split_k for c in naive}) == [2, 4, 8]
+    assert {c.num_warps for c in naive} == {4, 8}
+    assert not any(c.gemv_shrink for c in candidates(768, 32, 1))
+
+
+def test_gemv_shrink_is_refused_outside_the_split_variant() -> None:
+    with pytest.raises(ValueError, match="gemv_shrink"):
+        MoeLoraConfig("fused", 128, 128, gemv_shrink=True)
+    with pytest.raises(ValueError, match="gemv_shrink"):
+        MoeLoraConfig("split", 128, 128, fuse_slices=True, gemv_shrink=True)

@@ -41,6 +41,8 @@ SPLIT_SLICES = MoeLoraConfig(
     expand_tiles=3,
     max_registers=128,
 )
+# The naive form's GEMV shrink, over 8 K ranges (GPT-OSS's 2880: ranges of 384, the last partial).
+GEMV = MoeLoraConfig("split", block_k=128, block_n=128, split_k=8, gemv_shrink=True)
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = 2e-2  # bf16 operands: 1e-3 to 1e-2 relative (METHOD.md)
 
@@ -88,6 +90,15 @@ def test_matches_reference(name: str, config: MoeLoraConfig | None, dtype: torch
     assert err < TOL, err
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("split", [1, 3, 8, 16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gemv_shrink_matches_reference(name: str, split: int, dtype: torch.dtype) -> None:
+    config = dataclasses.replace(GEMV, split_k=split)
+    err = check_against_reference(CASES[name], config, dtype, "cuda", seed=len(name))
+    assert err < TOL, err
+
+
 @pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["split", "fused"])
 def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     """Sorted form as vLLM's own CUDA align op writes it (not our torch rendering of it), held
@@ -126,8 +137,14 @@ def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     assert err < TOL, err
 
 
-@pytest.mark.parametrize("sorted_form", [False, True], ids=["naive", "sorted"])
-def test_expand_reads_the_output_only_after_the_kernel_before(sorted_form: bool) -> None:
+@pytest.mark.parametrize(
+    ("sorted_form", "config"),
+    [(False, SPLIT), (True, SPLIT), (False, GEMV)],
+    ids=["naive", "sorted", "naive_gemv"],
+)
+def test_expand_reads_the_output_only_after_the_kernel_before(
+    sorted_form: bool, config: MoeLoraConfig
+) -> None:
     """The expand loads its output tile before its PDL wait, which waits for the shrink only:
     safe because the shrink, itself launched under PDL, first waits for the kernel before it.
     Here that kernel writes the output just before the call; the result must equal a call on an
@@ -139,8 +156,8 @@ def test_expand_reads_the_output_only_after_the_kernel_before(sorted_form: bool)
     racing["output"], rewrite = slowly_written(settled["output"])
     torch.cuda.synchronize()
     rewrite()
-    fused_moe_lora(**racing, shrink_block_size_m=case.block_m, config=SPLIT)
-    fused_moe_lora(**settled, shrink_block_size_m=case.block_m, config=SPLIT)
+    fused_moe_lora(**racing, shrink_block_size_m=case.block_m, config=config)
+    fused_moe_lora(**settled, shrink_block_size_m=case.block_m, config=config)
     torch.cuda.synchronize()
     assert torch.equal(racing["output"], settled["output"])
 
@@ -160,8 +177,11 @@ ACT_CASES = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("config", [SPLIT, SPLIT_SLICES], ids=["split", "split_slices"])
-@pytest.mark.parametrize("name", sorted(ACT_CASES))
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [(name, config) for name in sorted(ACT_CASES) for config in (SPLIT, SPLIT_SLICES)]
+    + [(name, GEMV) for name in sorted(ACT_CASES) if not ACT_CASES[name].sorted_form],
+)
 def test_expand_silu_and_mul_matches_reference(
     name: str, config: MoeLoraConfig, dtype: torch.dtype
 ) -> None:
@@ -202,7 +222,14 @@ def test_expand_silu_and_mul_compiles_once_across_batches() -> None:
     assert counts[0] == counts[1] == counts[2], counts
 
 
-def test_cuda_graph_replay_and_no_recompile_across_batches() -> None:
+@pytest.mark.parametrize(
+    ("config", "shrink"),
+    [(SPLIT, kt.moe_lora_shrink_kernel), (GEMV, kt.moe_lora_gemv_shrink_kernel)],
+    ids=["split", "gemv"],
+)
+def test_cuda_graph_replay_and_no_recompile_across_batches(
+    config: MoeLoraConfig, shrink: Any
+) -> None:
     """Captured in a graph, the op replays to the eager result; batch sizes 3, 5 and 9 share
     one compiled kernel per config (lengths are do_not_specialize)."""
     results = []
@@ -210,22 +237,22 @@ def test_cuda_graph_replay_and_no_recompile_across_batches() -> None:
         case = Case(tokens, 8, 128, 32, 8, "uniform", k=2048, n=768)
         eager = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
         graphed = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
-        fused_moe_lora(**eager, config=SPLIT)
+        fused_moe_lora(**eager, config=config)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             probe = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
-            fused_moe_lora(**probe, config=SPLIT)
+            fused_moe_lora(**probe, config=config)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fused_moe_lora(**graphed, config=SPLIT)
+            fused_moe_lora(**graphed, config=config)
         graph.replay()
         torch.cuda.synchronize()
         results.append(torch.equal(eager["output"], graphed["output"]))
         counts = [
             sum(len(c[0]) for c in k.device_caches.values())
-            for k in (kt.moe_lora_shrink_kernel, kt.moe_lora_expand_kernel)
+            for k in (shrink, kt.moe_lora_expand_kernel)
         ]
         if tokens == 3:
             first_counts = counts

@@ -1,0 +1,189 @@
+"""Where the MoE-LoRA op's decode time goes, beside what merely reading its bytes costs.
+
+    PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_decode_anatomy.py --commit SHA --out DIR
+
+At the naive-form (decode) points of both model shapes (rank 32, 8 adapters, bf16), in one
+interleaved CUDA-graph replay per point over the kernel bench's cold sets (`moe_lora_workload`):
+
+- ours: the op with its tuned config; for gate/up also its shrink alone (expand deferred and
+  dropped) and its expand launched without PDL;
+- gemv_s<split>_w<warps>: the op with the GEMV shrink (the tuner's naive-form candidates), and
+  for gate/up that shrink alone;
+- read_only: one Triton kernel (under PDL, as ours) that only reads the A and B bytes of every
+  routed pair, 16 programs per pair and slice, each loading its chunk at once;
+- empty: one PDL launch of as many programs that store a word each;
+- copy_floor: a torch device copy moving the floor's bytes (half read, half written).
+
+The floor is the adapter bytes over the copy rate of a 2 GiB copy, as in bench_moe_lora. Rows
+(machine, commit, config) go to DIR/decode_anatomy_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, gpu_slug, lookup
+from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
+from loraplex.kernels.moe_lora_workload import (
+    SHAPES,
+    CallSpec,
+    copy_bandwidth,
+    make_set,
+    make_weights,
+    naive_form,
+    sets_needed,
+    time_interleaved,
+)
+from loraplex.kernels.tune_moe_lora import candidates
+
+READ_CHUNKS = 16  # chunks per (pair, slice) of the read-only kernel: 8 was 1.7x slower on GPT-OSS
+
+
+@triton.jit
+def read_only_kernel(a0, a1, b0, b1, tlm_ptr, eids_ptr, out_ptr, top_k, K, N, stride_al,
+                     stride_ae, stride_bl, stride_be, RANK: tl.constexpr, CHUNKS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Sums chunk c of A[s][slot, expert] and of B[s][slot, expert] for pair p (A rows of K,
+    B rows of RANK, both contiguous), so that every byte the op must read is read once."""
+    p = tl.program_id(0)
+    s = tl.program_id(1)
+    c = tl.program_id(2)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.load(tlm_ptr + p // top_k).to(tl.int64)
+    expert = tl.load(eids_ptr + p).to(tl.int64)
+    a_base = a0
+    b_base = b0
+    if s == 1:
+        a_base = a1
+        b_base = b1
+    offs_r = tl.arange(0, RANK)
+    offs_k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_ptrs = a_base + slot * stride_al + expert * stride_ae + offs_r[:, None] * K + offs_k[None, :]
+    a = tl.load(a_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_ptrs = (
+        b_base + slot * stride_bl + expert * stride_be + offs_n[:, None] * RANK + offs_r[None, :]
+    )
+    b = tl.load(b_ptrs, mask=offs_n[:, None] < N, other=0.0)
+    total = tl.sum(tl.sum(a.to(tl.float32), 1), 0) + tl.sum(tl.sum(b.to(tl.float32), 1), 0)
+    tl.store(out_ptr + (p * 2 + s) * CHUNKS + c, total)
+
+
+@triton.jit
+def empty_kernel(out_ptr):
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + tl.program_id(0), 1.0)
+
+
+def read_only(args: dict, out: torch.Tensor) -> None:
+    a, b = args["lora_a_stacked"], args["lora_b_stacked"]
+    rank, k, n = a[0].shape[2], a[0].shape[3], b[0].shape[2]
+    read_only_kernel[(args["expert_ids"].numel(), len(a), READ_CHUNKS)](
+        a[0], a[-1], b[0], b[-1], args["token_lora_mapping"], args["expert_ids"], out,
+        args["top_k_num"], k, n, a[0].stride(0), a[0].stride(1), b[0].stride(0), b[0].stride(1),
+        RANK=rank, CHUNKS=READ_CHUNKS, BLOCK_K=triton.next_power_of_2(triton.cdiv(k, READ_CHUNKS)),
+        BLOCK_N=triton.next_power_of_2(triton.cdiv(n, READ_CHUNKS)), num_warps=8, launch_pdl=True,
+    )  # fmt: skip
+
+
+def shrink_only(args: dict, config: MoeLoraConfig) -> None:
+    with defer_gate_up_expand():
+        fused_moe_lora(**args, config=config)
+
+
+def expand_without_pdl(args: dict, config: MoeLoraConfig) -> None:
+    with defer_gate_up_expand() as deferred:
+        fused_moe_lora(**args, config=config)
+    dataclasses.replace(deferred[0], pdl_stream=None).launch()
+
+
+def copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def variants(sets: list[dict], spec: CallSpec, config: MoeLoraConfig, pairs: int,
+             nbytes: int, out: torch.Tensor) -> dict[str, list[Callable[[], None]]]:  # fmt: skip
+    def each(fn: Callable, *extra: object) -> list[Callable[[], None]]:
+        return [functools.partial(fn, a, *extra) for a in sets]
+
+    def op(a: dict, cfg: MoeLoraConfig) -> None:
+        fused_moe_lora(**a, config=cfg)
+
+    gate_up = spec.slices == 2
+    found = {"ours": each(op, config)}
+    if gate_up:
+        found |= {"ours_shrink": each(shrink_only, config),
+                  "ours_expand_no_pdl": each(expand_without_pdl, config)}  # fmt: skip
+    for cfg in candidates(spec.k, pairs, spec.slices, naive=True):
+        if cfg.gemv_shrink:
+            name = f"gemv_s{cfg.split_k}_w{cfg.num_warps}"
+            found[name] = each(op, cfg)
+            if gate_up:
+                found[name + "_shrink"] = each(shrink_only, cfg)
+    programs = pairs * spec.slices * READ_CHUNKS
+    src = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in sets]
+    dst = [torch.empty_like(t) for t in src]
+    found["read_only"] = each(read_only, out)
+    found["empty"] = [functools.partial(empty_kernel[(programs,)], out, launch_pdl=True)] * len(
+        sets
+    )
+    found["copy_floor"] = [functools.partial(copy, s, d) for s, d in zip(src, dst, strict=True)]
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    ns = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    out = torch.empty(1 << 20, device="cuda")
+    rows = []
+    for shape in SHAPES.values():
+        for op in ("w13", "w2"):
+            spec = CallSpec.of(shape, op)
+            weights = make_weights(shape, spec, 8, 32, torch.bfloat16, "cuda")
+            for tokens in (t for t in (1, 4, 16) if naive_form(shape, t, 8)):
+                made = [make_set(shape, spec, tokens, 8, 0, weights, 16, torch.bfloat16, "cuda")]
+                made += [
+                    make_set(shape, spec, tokens, 8, i, weights, 16, torch.bfloat16, "cuda")
+                    for i in range(1, sets_needed(made[0][1]))
+                ]  # fmt: skip
+                sets, nbytes = [s for s, _ in made], made[0][1]
+                pairs = tokens * shape.top_k
+                key = ShapeKey(spec.k, spec.n, spec.slices, 32, shape.experts, shape.top_k,
+                               False, str(torch.bfloat16))  # fmt: skip
+                config = lookup(gpu, key, pairs, sms)
+                timed = variants(sets, spec, config, pairs, nbytes, out)
+                times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
+                floor = sum(b for _, b in made) / len(made) / bw * 1e6
+                rows.append({"shape": shape.name, "op": op, "tokens": tokens, "floor_us": floor,
+                             "us": times, "machine": gpu, "commit": ns.commit,
+                             "copy_tb_s": bw / 1e12, "config": config.to_json()})  # fmt: skip
+                best = min((t, n) for n, t in times.items() if n.startswith("gemv"))
+                print(f"{shape.name:14s} {op:3s} M={tokens:3d} floor {floor:5.2f} "
+                      f"ours {times['ours']:6.2f} best gemv {best[0]:6.2f} ({best[1]}) "
+                      f"read_only {times['read_only']:5.2f} copy_floor {times['copy_floor']:5.2f} "
+                      f"empty {times['empty']:4.2f}", flush=True)  # fmt: skip
+                print("   ", " ".join(f"{n}={t:.2f}" for n, t in times.items()), flush=True)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    path = ns.out / f"decode_anatomy_{gpu_slug(gpu)}.json"
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
