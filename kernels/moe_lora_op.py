@@ -213,8 +213,8 @@ def fused_moe_lora(
         if sorted_form:
             raise ValueError("gemv_shrink serves the naive routing form only")
         kt.moe_lora_gemv_shrink_kernel[(num_units, len(lora_a), split)](
-            x, a0, a1, ws, expert_ids, token_lora_mapping, adapter_enabled, k, num_pairs,
-            top_k_num, num_units, num_slots, x.stride(0), x.stride(1), *a0.stride(),
+            x, a0, a1, ws, expert_ids, token_lora_mapping, adapter_enabled, k, top_k_num,
+            num_units, num_slots, x.stride(0), x.stride(1), *a0.stride(),
             TOKEN_FACTOR=token_factor, BLOCK_R=block_r, RANK=rank,
             BLOCK_K=gemv_block_k(k, split), SPLIT_K=split, USE_PDL=use_pdl,
             **config.launch_options(), **pdl_kwargs,

@@ -360,7 +360,6 @@ def moe_lora_gemv_shrink_kernel(
     tlm_ptr,
     enabled_ptr,
     K,
-    num_pairs,
     top_k,
     num_units,
     max_loras,
