@@ -147,6 +147,26 @@ def make_set(
     return args, floor_bytes(topk_ids, tlm, weights)
 
 
+def make_sets(
+    shape: MoeShape,
+    spec: CallSpec,
+    tokens: int,
+    adapters: int,
+    weights: tuple[list[torch.Tensor], list[torch.Tensor]],
+    block_m: int,
+    dtype: torch.dtype,
+    device: str,
+    align: AlignFn = moe_lora_align_reference,
+) -> list[tuple[dict, int]]:
+    """`make_set` for set 0, 1, ... until the sets' adapter bytes exceed the L2s
+    (`sets_needed`): the cold sets a timing rotates over, each with its `floor_bytes`."""
+    first = make_set(shape, spec, tokens, adapters, 0, weights, block_m, dtype, device, align)
+    return [first] + [
+        make_set(shape, spec, tokens, adapters, i, weights, block_m, dtype, device, align)
+        for i in range(1, sets_needed(first[1]))
+    ]
+
+
 def floor_bytes(topk_ids: torch.Tensor, tlm: torch.Tensor, weights: tuple) -> int:
     """Adapter bytes a call must read once: A and B of every distinct (slot, expert) routed."""
     a, b = weights

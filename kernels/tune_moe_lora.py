@@ -23,10 +23,9 @@ from .moe_lora_workload import (
     CallSpec,
     MoeShape,
     default_block_m,
-    make_set,
+    make_sets,
     make_weights,
     naive_form,
-    sets_needed,
     time_interleaved,
     time_per_call,
 )
@@ -186,13 +185,8 @@ def main() -> None:
             weights = make_weights(shape, spec, args.adapters, args.rank, dtype, "cuda")
             for tokens in args.batches:
                 block_m = default_block_m(tokens)
-                first, nbytes = make_set(shape, spec, tokens, args.adapters, 0, weights, block_m,
-                                         dtype, "cuda")  # fmt: skip
-                sets = [first] + [
-                    make_set(shape, spec, tokens, args.adapters, i, weights, block_m, dtype,
-                             "cuda")[0]
-                    for i in range(1, sets_needed(nbytes))
-                ]  # fmt: skip
+                sets = [s for s, _ in make_sets(shape, spec, tokens, args.adapters, weights,
+                                                block_m, dtype, "cuda")]  # fmt: skip
                 num_pairs = tokens * shape.top_k
                 sorted_form = not naive_form(shape, tokens, args.adapters)
                 cands = candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form)

@@ -31,19 +31,18 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, gpu_slug, lookup
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig, gpu_slug, lookup
 from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_workload import (
     SHAPES,
     CallSpec,
     copy_bandwidth,
-    make_set,
+    make_sets,
     make_weights,
     naive_form,
-    sets_needed,
     time_interleaved,
 )
-from loraplex.kernels.tune_moe_lora import candidates
+from loraplex.kernels.tune_moe_lora import candidates, shape_key
 
 READ_CHUNKS = 16  # chunks per (pair, slice) of the read-only kernel: 8 was 1.7x slower on GPT-OSS
 
@@ -157,15 +156,10 @@ def main() -> None:
             spec = CallSpec.of(shape, op)
             weights = make_weights(shape, spec, 8, 32, torch.bfloat16, "cuda")
             for tokens in (t for t in (1, 4, 16) if naive_form(shape, t, 8)):
-                made = [make_set(shape, spec, tokens, 8, 0, weights, 16, torch.bfloat16, "cuda")]
-                made += [
-                    make_set(shape, spec, tokens, 8, i, weights, 16, torch.bfloat16, "cuda")
-                    for i in range(1, sets_needed(made[0][1]))
-                ]  # fmt: skip
+                made = make_sets(shape, spec, tokens, 8, weights, 16, torch.bfloat16, "cuda")
                 sets, nbytes = [s for s, _ in made], made[0][1]
                 pairs = tokens * shape.top_k
-                key = ShapeKey(spec.k, spec.n, spec.slices, 32, shape.experts, shape.top_k,
-                               False, str(torch.bfloat16))  # fmt: skip
+                key = shape_key(shape, spec, 32, False, str(torch.bfloat16))
                 config = lookup(gpu, key, pairs, sms)
                 timed = variants(sets, spec, config, pairs, nbytes, out)
                 times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))

@@ -31,7 +31,6 @@ from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
 from loraplex.kernels.moe_lora_configs import (
     MoeLoraConfig,
-    ShapeKey,
     gpu_slug,
     lookup,
     write_configs,
@@ -44,13 +43,12 @@ from loraplex.kernels.moe_lora_workload import (
     CallSpec,
     MoeShape,
     copy_bandwidth,
-    make_set,
+    make_sets,
     make_weights,
     naive_form,
-    sets_needed,
     time_interleaved,
 )
-from loraplex.kernels.tune_moe_lora import candidates, tune_point
+from loraplex.kernels.tune_moe_lora import candidates, shape_key, tune_point
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "NUM_WARPS",
                "NUM_STAGES", "SPLIT_K")  # fmt: skip
@@ -179,16 +177,10 @@ def bench_point(
     shrink, expand = vllm_configs(shape, op, tokens, ns.rank)
     block_m = int(shrink.get("BLOCK_SIZE_M") or 64)
     align = functools.partial(vllm_align, ours=ns.align == "ours")
-    first, nbytes = make_set(shape, spec, tokens, ns.adapters, 0, weights, block_m, ns.dtype,
-                             "cuda", align)  # fmt: skip
-    sets = [(first, nbytes)] + [
-        make_set(shape, spec, tokens, ns.adapters, i, weights, block_m, ns.dtype, "cuda", align)
-        for i in range(1, sets_needed(nbytes))
-    ]  # fmt: skip
+    sets = make_sets(shape, spec, tokens, ns.adapters, weights, block_m, ns.dtype, "cuda", align)
     args = [s for s, _ in sets]
     sorted_form = not naive_form(shape, tokens, ns.adapters)
-    key = ShapeKey(spec.k, spec.n, spec.slices, ns.rank, shape.experts, shape.top_k, sorted_form,
-                   str(ns.dtype))  # fmt: skip
+    key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
     num_pairs = tokens * shape.top_k
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in args]
     if ns.tune:
