@@ -71,6 +71,16 @@ def _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim, max_loras,
 
 
 @triton.jit
+def _naive_unit(unit, expert_ids_ptr, tlm_ptr, enabled_ptr, top_k, max_loras):
+    """(slot, expert, valid 0/1) of pair `unit` in the naive form: its token's slot and its
+    expert (0 where not valid)."""
+    slot, valid = _active_slots(tl.load(tlm_ptr + unit // top_k), enabled_ptr, max_loras)
+    expert = tl.load(expert_ids_ptr + unit)
+    valid = valid & (expert >= 0)
+    return slot, tl.where(valid, expert, 0), valid.to(tl.int32)
+
+
+@triton.jit
 def _locate_unit(unit, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, top_k,
                  num_m_blocks, lora_dim, max_loras, stride_el, SORTED: tl.constexpr,
                  BLOCK_M: tl.constexpr, LORA_PAD: tl.constexpr):  # fmt: skip
@@ -80,12 +90,14 @@ def _locate_unit(unit, expert_ids_ptr, ntpp_ptr, tlm_ptr, lora_ids_ptr, enabled_
         slot, blk, valid = _sorted_unit(unit, lora_ids_ptr, enabled_ptr, ntpp_ptr, lora_dim,
                                         max_loras, num_m_blocks, BLOCK_M, LORA_PAD)  # fmt: skip
         expert = tl.load(expert_ids_ptr + slot * stride_el + blk)
+        valid = valid & (expert >= 0)
+        expert = tl.where(valid, expert, 0)
+        valid = valid.to(tl.int32)
     else:
         blk = unit
-        slot, valid = _active_slots(tl.load(tlm_ptr + unit // top_k), enabled_ptr, max_loras)
-        expert = tl.load(expert_ids_ptr + unit)
-    valid = valid & (expert >= 0)
-    return slot, blk, tl.where(valid, expert, 0), valid.to(tl.int32)
+        slot, expert, valid = _naive_unit(unit, expert_ids_ptr, tlm_ptr, enabled_ptr, top_k,
+                                          max_loras)  # fmt: skip
+    return slot, blk, expert, valid
 
 
 @triton.jit
@@ -388,9 +400,8 @@ def moe_lora_gemv_shrink_kernel(
     if USE_PDL:  # as in moe_lora_shrink_kernel
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    slot, active = _active_slots(tl.load(tlm_ptr + unit // top_k), enabled_ptr, max_loras)
-    expert = tl.load(expert_ids_ptr + unit)
-    if (active & (expert >= 0)).to(tl.int32) == 0:
+    slot, expert, valid = _naive_unit(unit, expert_ids_ptr, tlm_ptr, enabled_ptr, top_k, max_loras)
+    if valid == 0:
         return
     a_base = _slice_base(a0_ptr, a1_ptr, s, slot, expert, stride_al, stride_ae)
     offs_r = tl.arange(0, BLOCK_R)
