@@ -49,13 +49,21 @@ class MoeLoraConfig:
     # the fused kernel); None leaves the compiler's choice. A program of 4 warps that uses just
     # over 128 registers fits one fewer per SM than one held to 128.
     max_registers: int | None = None
-    # split in the naive routing form (decode): the shrink as a GEMV over whole K ranges
-    # (`moe_lora_gemv_shrink_kernel`), one program per pair, slice and range.
+    # split in the naive routing form (decode), on CUDA cores (`moe_lora_gemv_triton`): the
+    # shrink as a GEMV over whole K ranges, one program per pair, slice and range; the expand
+    # as one over block_n columns, one program per pair, slice and N tile.
     gemv_shrink: bool = False
+    gemv_expand: bool = False
 
     def __post_init__(self) -> None:
         if self.gemv_shrink and (self.variant != "split" or self.fuse_slices):
             raise ValueError("gemv_shrink is a shrink of the split variant, one slice a program")
+        if self.gemv_expand and (self.variant != "split" or self.expand_tiles != 1):
+            raise ValueError(
+                "gemv_expand is an expand of the split variant over block_n columns a program: "
+                f"variant must be 'split' (got {self.variant!r}) and expand_tiles 1 "
+                f"(got {self.expand_tiles})"
+            )
         parts = self.expand_parts
         if parts < 1 or parts & (parts - 1):
             raise ValueError(f"expand_parts must be a power of 2 >= 1, got {parts}")

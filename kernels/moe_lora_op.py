@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 import triton
 
+from . import moe_lora_gemv_triton as gemv
 from . import moe_lora_triton as kt
 from .moe_lora_configs import MoeLoraConfig, ShapeKey, lookup
 
@@ -209,10 +210,10 @@ def fused_moe_lora(
     )
     use_pdl = pdl_ok and num_pairs <= PDL_MAX_PAIRS
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
+    if (config.gemv_shrink or config.gemv_expand) and sorted_form:
+        raise ValueError("gemv_shrink and gemv_expand serve the naive routing form only")
     if config.gemv_shrink:
-        if sorted_form:
-            raise ValueError("gemv_shrink serves the naive routing form only")
-        kt.moe_lora_gemv_shrink_kernel[(num_units, len(lora_a), split)](
+        gemv.moe_lora_gemv_shrink_kernel[(num_units, len(lora_a), split)](
             x, a0, a1, ws, expert_ids, token_lora_mapping, adapter_enabled, k, top_k_num,
             num_units, num_slots, x.stride(0), x.stride(1), *a0.stride(),
             TOKEN_FACTOR=token_factor, BLOCK_R=block_r, RANK=rank,
@@ -296,6 +297,18 @@ class SplitExpand:
         groups = triton.cdiv(triton.cdiv(self.n, config.block_n), config.expand_tiles)
         use_pdl = self.pdl_here()
         pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
+        if config.gemv_expand:
+            tlm, enabled = self.routing[3], self.routing[5]
+            gemv.moe_lora_gemv_expand_kernel[(num_units * slices * groups,)](
+                self.ws, self.b0, self.b1, self.out2d, self.topk_weights, self.routing[1], tlm,
+                enabled, self.n, self.lengths[1], num_units, self.lengths[6], self.offset,
+                *self.b0.stride(), *self.out2d.stride(),
+                BLOCK_R=self.block_r, RANK=self.rank, BLOCK_N=config.block_n,
+                SPLIT_K=config.split_k, SLICES=slices, MUL_ROUTED_WEIGHT=self.mul_routed_weight,
+                ADD_INPUTS=self.add_inputs, USE_PDL=use_pdl, **config.launch_options(),
+                **pdl_kwargs,
+            )  # fmt: skip
+            return
         # Three stages: the expand's tile loop then loads B two tiles ahead. H200 at 25,600
         # tokens against two stages: Qwen3 down 623.4 -> 612.4 us, GPT-OSS down 592.4 -> 588.7.
         kt.moe_lora_expand_kernel[(num_units * self.parts * slices * groups,)](

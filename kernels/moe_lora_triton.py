@@ -18,8 +18,8 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
   of the kernel before it (it waits for that kernel before reading anything), and the expand
   grid starts while the shrink runs, loads its B tile and output tile, and waits for the
   shrink only before it reads the partials (so the expand takes PDL only on the shrink's
-  stream: `moe_lora_op.SplitExpand.pdl_here`). In the naive form a config may take
-  `moe_lora_gemv_shrink_kernel` instead, which fills the same workspace cells.
+  stream: `moe_lora_op.SplitExpand.pdl_here`). In the naive form a config may take the
+  GEMV shrink or expand of `moe_lora_gemv_triton` instead, on the same workspace cells.
 - fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
   on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one
   gather of x rows (at prefill the gathered x rows are a third of the traffic).
@@ -360,67 +360,6 @@ def moe_lora_shrink_kernel(
     tl.store(ptrs, acc, mask=row_mask)
     if FUSE_SLICES:
         tl.store(ptrs + num_units.to(tl.int64) * SPLIT_K * WS_ROWS * BLOCK_R, acc2, mask=row_mask)
-
-
-@triton.jit(do_not_specialize=_BATCH_ARGS)
-def moe_lora_gemv_shrink_kernel(
-    x_ptr,
-    a0_ptr,
-    a1_ptr,
-    ws_ptr,
-    expert_ids_ptr,
-    tlm_ptr,
-    enabled_ptr,
-    K,
-    top_k,
-    num_units,
-    max_loras,
-    stride_xm,
-    stride_xk,
-    stride_al,
-    stride_ae,
-    stride_ar,
-    stride_ak,
-    TOKEN_FACTOR: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    RANK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """The shrink of the naive form (one pair per unit) as a GEMV on CUDA cores: the same
-    workspace cells as `moe_lora_shrink_kernel` with WS_ROWS 1, ws[s, pair, ks, 0, :] =
-    x[row, K range ks] @ A[s][slot, expert][:, K range ks].T. The wrapper sizes BLOCK_K to the
-    whole K range, so each program issues all its loads of A at once, where the tl.dot shrink
-    streams its range in BLOCK_K steps through 16-row tiles of which one row is real: at decode
-    sizes it is the bytes in flight, not the multiply, that set the time."""
-    unit = tl.program_id(0)
-    s = tl.program_id(1)
-    ks = tl.program_id(2)
-    if USE_PDL:  # as in moe_lora_shrink_kernel
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    slot, expert, valid = _naive_unit(unit, expert_ids_ptr, tlm_ptr, enabled_ptr, top_k, max_loras)
-    if valid == 0:
-        return
-    a_base = _slice_base(a0_ptr, a1_ptr, s, slot, expert, stride_al, stride_ae)
-    offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < RANK
-    safe_r = tl.where(rmask, offs_r, 0)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), 64) * 64
-    k_lo = ks * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
-    x_row = x_ptr + (unit // TOKEN_FACTOR).to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        kmask = offs_k < k_hi
-        xv = tl.load(x_row + offs_k * stride_xk, mask=kmask, other=0.0)
-        a = tl.load(a_base + safe_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)  # fmt: skip
-        acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
-    cell = ((s * num_units + unit).to(tl.int64) * SPLIT_K + ks) * BLOCK_R
-    tl.store(ws_ptr + cell + offs_r, acc)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)

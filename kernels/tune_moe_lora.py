@@ -50,7 +50,9 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
     for gate/up a shrink that does both slices at the two smallest splits (also with an expand
     over two N tiles), an expand over two N tiles at the largest split, and expands of half
     blocks at the two smallest splits. In the naive routing form (decode) also the GEMV shrink
-    over 2 to 16 K ranges of at least 64, with 4 or 8 warps.
+    over 2 to 16 K ranges of at least 64, with 4 or 8 warps, and the GEMV expand after it or
+    after the tl.dot shrink; in the sorted form at decode sizes also expands of half and
+    quarter blocks over 4 and 8 N tiles.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -118,8 +120,25 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, expand_tiles=2)
                 for split in splits[:2]]  # fmt: skip
     if naive:
+        gemv_splits = [split for split in (2, 4, 8, 16) if k >= 64 * split]
         out += [MoeLoraConfig("split", bk, 128, split_k=split, num_warps=warps, gemv_shrink=True)
-                for split in (2, 4, 8, 16) if k >= 64 * split for warps in (4, 8)]  # fmt: skip
+                for split in gemv_splits for warps in (4, 8)]  # fmt: skip
+        # The GEMV expand after either shrink: one row a program, not tl.dot's 16.
+        out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_expand=True)
+                for split in splits for bn in (128, 256)]  # fmt: skip
+        if slices == 2:
+            out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True,
+                                  gemv_expand=True) for split in splits[:2]]  # fmt: skip
+        out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_shrink=True, gemv_expand=True)
+                for split in gemv_splits[:3] for bn in (128, 256)]  # fmt: skip
+    elif num_pairs < PREFILL_MIN_PAIRS:
+        # Sorted decode blocks hold a few pairs in 16 to 64 rows: expands over more N tiles
+        # each, of half or quarter blocks. H200, GPT-OSS gate/up at 256 tokens in blocks of 64
+        # (the default reference align, not vLLM's): 4 tiles of half blocks 74.6 us against
+        # 90.7 for 2 tiles.
+        out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=slices == 2,
+                              expand_parts=parts, expand_tiles=tiles)
+                for split in splits[:2] for parts in (2, 4) for tiles in (4, 8)]  # fmt: skip
     return list(dict.fromkeys(out))
 
 

@@ -7,8 +7,8 @@ interleaved CUDA-graph replay per point over the kernel bench's cold sets (`moe_
 
 - ours: the op with its tuned config; for gate/up also its shrink alone (expand deferred and
   dropped) and its expand launched without PDL;
-- gemv_s<split>_w<warps>: the op with the GEMV shrink (the tuner's naive-form candidates), and
-  for gate/up that shrink alone;
+- the tuner's naive-form candidates with a GEMV kernel (`label` names them: shrink, K ranges,
+  warps, and the GEMV expand's columns), and for gate/up with the GEMV shrink that shrink alone;
 - read_only: one Triton kernel (under PDL, as ours) that only reads the A and B bytes of every
   routed pair, 16 programs per pair and slice, each loading its chunk at once;
 - empty: one PDL launch of as many programs that store a word each;
@@ -111,6 +111,15 @@ def copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def label(cfg: MoeLoraConfig) -> str:
+    """gemv_s4_w8 (GEMV shrink over 4 K ranges, 8 warps, tl.dot expand), dot_s2_fs_w4+gemv256
+    (tl.dot shrink over 2 ranges, both slices a program, GEMV expand over 256 columns), ..."""
+    shrink = "gemv" if cfg.gemv_shrink else "dot"
+    slices = "_fs" if cfg.fuse_slices else ""
+    expand = f"+gemv{cfg.block_n}" if cfg.gemv_expand else ""
+    return f"{shrink}_s{cfg.split_k}{slices}_w{cfg.num_warps}{expand}"
+
+
 def variants(sets: list[dict], spec: CallSpec, config: MoeLoraConfig, pairs: int,
              nbytes: int, out: torch.Tensor) -> dict[str, list[Callable[[], None]]]:  # fmt: skip
     def each(fn: Callable, *extra: object) -> list[Callable[[], None]]:
@@ -125,11 +134,10 @@ def variants(sets: list[dict], spec: CallSpec, config: MoeLoraConfig, pairs: int
         found |= {"ours_shrink": each(shrink_only, config),
                   "ours_expand_no_pdl": each(expand_without_pdl, config)}  # fmt: skip
     for cfg in candidates(spec.k, pairs, spec.slices, naive=True):
-        if cfg.gemv_shrink:
-            name = f"gemv_s{cfg.split_k}_w{cfg.num_warps}"
-            found[name] = each(op, cfg)
-            if gate_up:
-                found[name + "_shrink"] = each(shrink_only, cfg)
+        if cfg.gemv_shrink or cfg.gemv_expand:
+            found[label(cfg)] = each(op, cfg)
+            if gate_up and cfg.gemv_shrink and not cfg.gemv_expand:
+                found[label(cfg) + "_shrink"] = each(shrink_only, cfg)
     programs = pairs * spec.slices * READ_CHUNKS
     src = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in sets]
     dst = [torch.empty_like(t) for t in src]
@@ -168,7 +176,7 @@ def main() -> None:
                              "us": times, "machine": gpu, "commit": ns.commit,
                              "copy_tb_s": bw / 1e12, "config": config.to_json()})  # fmt: skip
                 best = min(
-                    (t, n) for n, t in times.items() if n.startswith("gemv") and "shrink" not in n
+                    (t, n) for n, t in times.items() if "gemv" in n and not n.endswith("_shrink")
                 )
                 print(f"{shape.name:14s} {op:3s} M={tokens:3d} floor {floor:5.2f} "
                       f"ours {times['ours']:6.2f} best gemv {best[0]:6.2f} ({best[1]}) "

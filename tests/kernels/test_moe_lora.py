@@ -34,6 +34,16 @@ SPLIT_SLICES = MoeLoraConfig(
 )
 # The naive form's GEMV shrink: K ranges of 64 (K = 100: the second range is partial).
 GEMV = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, gemv_shrink=True)
+# The GEMV expand over 32 columns a program (N = 63 and 100 leave a partial tile): after the
+# tl.dot shrink over 3 K ranges with both slices in one program, and after the GEMV shrink.
+GEMV_EXPAND = MoeLoraConfig(
+    "split", block_k=32, block_n=32, split_k=3, fuse_slices=True, gemv_expand=True
+)
+GEMV_BOTH = MoeLoraConfig(
+    "split", block_k=32, block_n=32, split_k=2, gemv_shrink=True, gemv_expand=True
+)
+GEMV_CONFIGS = [GEMV, GEMV_EXPAND, GEMV_BOTH]
+GEMV_IDS = ["gemv", "gemv_expand", "gemv_both"]
 CONFIGS = [SPLIT, FUSED, FUSED_SLICES, SPLIT_SLICES]
 CONFIG_IDS = ["split", "fused", "fused_slices", "split_slices"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,7 +93,7 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-2
 
 
-@pytest.mark.parametrize("config", [*CONFIGS, GEMV], ids=[*CONFIG_IDS, "gemv"])
+@pytest.mark.parametrize("config", [*CONFIGS, *GEMV_CONFIGS], ids=[*CONFIG_IDS, *GEMV_IDS])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_naive_form_matches_reference(name: str, config: MoeLoraConfig) -> None:
     err = check_against_reference(CASES[name], config, torch.float32, DEVICE, seed=hash(name) % 997)
@@ -115,15 +125,24 @@ def test_fp16_offset_and_overwrite(case: Case, config: MoeLoraConfig) -> None:
     assert err < _tolerance(torch.float16), err
 
 
-def test_gemv_shrink_refuses_the_sorted_form() -> None:
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=GEMV_IDS)
+def test_gemv_kernels_refuse_the_sorted_form(config: MoeLoraConfig) -> None:
     case = SORTED_CASES["t17_k2_e8_r32_a3_disabled_bm16"]
     with pytest.raises(ValueError, match="naive routing form only"):
-        check_against_reference(case, GEMV, torch.float32, DEVICE, seed=1)
+        check_against_reference(case, config, torch.float32, DEVICE, seed=1)
 
 
-def test_gemv_shrink_fp16_overwrite_at_an_offset() -> None:
-    case = Case(6, 2, 8, 16, 3, offset=7, add_inputs=False, k=100)
-    err = check_against_reference(case, GEMV, torch.float16, DEVICE, seed=3)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(6, 2, 8, 16, 3, offset=7, add_inputs=False, k=100),
+        Case(5, 4, 8, 16, 3, mul_routed_weight=True, add_inputs=False, offset=3, slices=1, n=100),
+    ],
+    ids=["gate_up_offset_overwrite", "down_offset_overwrite"],
+)
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=GEMV_IDS)
+def test_gemv_kernels_fp16_overwrite_at_an_offset(case: Case, config: MoeLoraConfig) -> None:
+    err = check_against_reference(case, config, torch.float16, DEVICE, seed=3)
     assert err < _tolerance(torch.float16), err
 
 

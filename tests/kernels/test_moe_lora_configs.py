@@ -58,3 +58,18 @@ def test_gemv_shrink_is_refused_outside_the_split_variant() -> None:
         MoeLoraConfig("fused", 128, 128, gemv_shrink=True)
     with pytest.raises(ValueError, match="gemv_shrink"):
         MoeLoraConfig("split", 128, 128, fuse_slices=True, gemv_shrink=True)
+
+
+def test_gemv_expand_is_refused_outside_the_split_variant_and_over_tiles() -> None:
+    with pytest.raises(ValueError, match="variant must be 'split' \\(got 'fused'\\)"):
+        MoeLoraConfig("fused", 128, 128, gemv_expand=True)
+    with pytest.raises(ValueError, match="expand_tiles 1 \\(got 2\\)"):
+        MoeLoraConfig("split", 128, 128, expand_tiles=2, gemv_expand=True)
+
+
+def test_gemv_expand_is_a_candidate_of_the_naive_form_only() -> None:
+    """Offered at decode in the naive form after both shrinks, over 128 or 256 columns."""
+    naive = [c for c in candidates(2048, 32, 2, naive=True) if c.gemv_expand]
+    assert {c.gemv_shrink for c in naive} == {False, True}
+    assert {c.block_n for c in naive} == {128, 256}
+    assert not any(c.gemv_expand for c in candidates(2048, 32, 2))

@@ -19,6 +19,7 @@ from moe_lora_cases import (
     slowly_written,
 )
 
+from loraplex.kernels import moe_lora_gemv_triton as gemv
 from loraplex.kernels import moe_lora_triton as kt
 from loraplex.kernels.moe_lora_act import expand_silu_and_mul
 from loraplex.kernels.moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
@@ -43,6 +44,12 @@ SPLIT_SLICES = MoeLoraConfig(
 )
 # The naive form's GEMV shrink, over 8 K ranges (GPT-OSS's 2880: ranges of 384, the last partial).
 GEMV = MoeLoraConfig("split", block_k=128, block_n=128, split_k=8, gemv_shrink=True)
+# The naive form's GEMV expand over 256 columns (N = 768, 2048, 2880 and 63: partial tiles
+# too), after the tl.dot shrink (both slices in one program) and after the GEMV shrink.
+GEMV_EXPAND = MoeLoraConfig(
+    "split", block_k=128, block_n=256, split_k=4, fuse_slices=True, gemv_expand=True
+)
+GEMV_BOTH = dataclasses.replace(GEMV, block_n=256, gemv_expand=True)
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = 2e-2  # bf16 operands: 1e-3 to 1e-2 relative (METHOD.md)
 
@@ -99,6 +106,16 @@ def test_gemv_shrink_matches_reference(name: str, split: int, dtype: torch.dtype
     assert err < TOL, err
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", [GEMV_EXPAND, GEMV_BOTH], ids=["dot_shrink", "gemv_shrink"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gemv_expand_matches_reference(
+    name: str, config: MoeLoraConfig, dtype: torch.dtype
+) -> None:
+    err = check_against_reference(CASES[name], config, dtype, "cuda", seed=len(name))
+    assert err < TOL, err
+
+
 @pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["split", "fused"])
 def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
     """Sorted form as vLLM's own CUDA align op writes it (not our torch rendering of it), held
@@ -139,8 +156,8 @@ def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
 
 @pytest.mark.parametrize(
     ("sorted_form", "config"),
-    [(False, SPLIT), (True, SPLIT), (False, GEMV)],
-    ids=["naive", "sorted", "naive_gemv"],
+    [(False, SPLIT), (True, SPLIT), (False, GEMV), (False, GEMV_BOTH)],
+    ids=["naive", "sorted", "naive_gemv", "naive_gemv_both"],
 )
 def test_expand_reads_the_output_only_after_the_kernel_before(
     sorted_form: bool, config: MoeLoraConfig
@@ -223,12 +240,16 @@ def test_expand_silu_and_mul_compiles_once_across_batches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config", "shrink"),
-    [(SPLIT, kt.moe_lora_shrink_kernel), (GEMV, kt.moe_lora_gemv_shrink_kernel)],
-    ids=["split", "gemv"],
+    ("config", "shrink", "expand"),
+    [
+        (SPLIT, kt.moe_lora_shrink_kernel, kt.moe_lora_expand_kernel),
+        (GEMV, gemv.moe_lora_gemv_shrink_kernel, kt.moe_lora_expand_kernel),
+        (GEMV_BOTH, gemv.moe_lora_gemv_shrink_kernel, gemv.moe_lora_gemv_expand_kernel),
+    ],
+    ids=["split", "gemv", "gemv_both"],
 )
 def test_cuda_graph_replay_and_no_recompile_across_batches(
-    config: MoeLoraConfig, shrink: Any
+    config: MoeLoraConfig, shrink: Any, expand: Any
 ) -> None:
     """Captured in a graph, the op replays to the eager result; batch sizes 3, 5 and 9 share
     one compiled kernel per config (lengths are do_not_specialize)."""
@@ -250,10 +271,7 @@ def test_cuda_graph_replay_and_no_recompile_across_batches(
         graph.replay()
         torch.cuda.synchronize()
         results.append(torch.equal(eager["output"], graphed["output"]))
-        counts = [
-            sum(len(c[0]) for c in k.device_caches.values())
-            for k in (shrink, kt.moe_lora_expand_kernel)
-        ]
+        counts = [sum(len(c[0]) for c in k.device_caches.values()) for k in (shrink, expand)]
         if tokens == 3:
             first_counts = counts
     assert all(results)
