@@ -12,6 +12,8 @@ Its grid has two parts in one launch:
   chunk's inputs loaded before this one's store. B is read once per unit and tile, not per
   chunk: at 16 x 1600 tokens its tiles were 1.3 GB of L2 reads per layer when every 16-row
   program read all of a slot-expert's B (`moe_lora_act` has the measurements);
+  In the naive form (decode) a unit is one pair, and its program works on that row alone
+  (`_gemv_silu_and_mul`);
 - plain programs, PLAIN_ROWS pairs each over all of N: they write SiLU(gate) x up for the pairs
   no LoRA program covers (no adapter, a disabled or inactive slot, no expert) and leave at once
   where every pair has one, as in a batch where every request names an adapter.
@@ -23,6 +25,7 @@ stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float
 import triton
 import triton.language as tl
 
+from .moe_lora_gemv_triton import _gemv_delta, _gemv_partials
 from .moe_lora_triton import (
     _BATCH_ARGS,
     _active_slots,
@@ -93,6 +96,25 @@ def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N,
     dgate = _sum_partials(unit_ws, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
     dup = _sum_partials(unit_ws + slice_cells, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
     return pairs, pmask, gate, up, dgate, dup
+
+
+@triton.jit
+def _gemv_silu_and_mul(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr,
+                       stride_gm, stride_gn, stride_om, stride_on, SPLIT_K: tl.constexpr,
+                       BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """A naive-form LoRA program: one pair, so its row as vectors, not a 16-row tile of which
+    one row is real (`moe_lora_gemv_triton`). The buffer row loads before the PDL wait, as the
+    expand's output tile does."""
+    nmask = offs_n < N
+    row = gate_up_ptr + pair.to(tl.int64) * stride_gm
+    gate = tl.load(row + offs_n * stride_gn, mask=nmask, other=0.0)
+    up = tl.load(row + (N + offs_n) * stride_gn, mask=nmask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    gate += _gemv_delta(b_gate, _gemv_partials(pair_ws, SPLIT_K, BLOCK_R)).to(gate.dtype)
+    up += _gemv_delta(b_up, _gemv_partials(pair_ws + slice_cells, SPLIT_K, BLOCK_R)).to(up.dtype)
+    out = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
+    tl.store(out, _silu_and_mul(gate, up), mask=nmask)
 
 
 @triton.jit(do_not_specialize=[*_BATCH_ARGS, "lora_programs"])
@@ -177,10 +199,15 @@ def moe_lora_expand_silu_and_mul_kernel(
                      N, stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
     b_up = _load_b(_slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be), offs_n, N,
                    stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
     slice_cells = num_units.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
+    if not SORTED:
+        _gemv_silu_and_mul(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
+                           out_ptr, stride_gm, stride_gn, stride_om, stride_on, SPLIT_K, BLOCK_R,
+                           USE_PDL)  # fmt: skip
+        return
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     pairs, pmask, gate, up, dgate, dup = _chunk_inputs(
         0, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr, stride_gm,
         stride_gn, unit_ws, slice_cells, SORTED, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,

@@ -12,7 +12,25 @@ stream. A config selects them with `gemv_shrink` and `gemv_expand`.
 import triton
 import triton.language as tl
 
-from .moe_lora_triton import _BATCH_ARGS, _load_prior, _naive_unit, _slice_base
+from .moe_lora_triton import _BATCH_ARGS, _load_b, _load_prior, _naive_unit, _slice_base
+
+
+@triton.jit
+def _gemv_partials(cell_ptr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A pair's shrink result (BLOCK_R,) fp32: its workspace cell's partial products (WS_ROWS
+    1) summed over the K ranges."""
+    offs_r = tl.arange(0, BLOCK_R)
+    tmp = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for ks in tl.static_range(SPLIT_K):
+        tmp += tl.load(cell_ptr + ks * BLOCK_R + offs_r)
+    return tmp
+
+
+@triton.jit
+def _gemv_delta(b, tmp):
+    """delta (BLOCK_N,) fp32 = tmp @ b for b (BLOCK_R, BLOCK_N) as `_load_b` loads it; tmp is
+    rounded to B's dtype first, as the tl.dot expand (and vLLM) round it."""
+    return tl.sum(b.to(tl.float32) * tmp.to(b.dtype).to(tl.float32)[:, None], 0)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -111,8 +129,8 @@ def moe_lora_gemv_expand_kernel(
 
     Programs of one pair are adjacent (N fastest, then slice), as in the tl.dot expand. Under
     PDL everything but the partial products loads before the wait: the pair's slot and expert,
-    its B columns and output row. The intermediate is rounded to B's dtype before the multiply,
-    and the product to the output's before the add, as the tl.dot expand (and vLLM) round.
+    its B columns and output row. The product is rounded to the output's dtype before the add,
+    as the tl.dot expand (and vLLM) round it.
     """
     groups = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
@@ -125,25 +143,16 @@ def moe_lora_gemv_expand_kernel(
         return
     offs_n = group * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    offs_r = tl.arange(0, BLOCK_R)
-    b_ptrs = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
-    b_ptrs += offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br
-    if BLOCK_R == RANK:  # no rank mask, so that B rows load as whole vectors (`_load_b`)
-        b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
-    else:
-        b = tl.load(b_ptrs, mask=nmask[:, None] & (offs_r < RANK)[None, :], other=0.0)
+    b_base = _slice_base(b0_ptr, b1_ptr, s, slot, expert, stride_bl, stride_be)
+    b = _load_b(b_base, offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)
     out_ptrs = out_ptr + unit.to(tl.int64) * stride_om + (col_offset + s * N + offs_n) * stride_on
     prior = _load_prior(out_ptrs, nmask, ADD_INPUTS)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_w_ptr + unit).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    cell = ws_ptr + (s * num_units + unit).to(tl.int64) * SPLIT_K * BLOCK_R + offs_r
-    tmp = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for ks in tl.static_range(SPLIT_K):
-        tmp += tl.load(cell + ks * BLOCK_R)
-    tmp = tmp.to(b.dtype).to(tl.float32)
-    acc = tl.sum(b.to(tl.float32) * tmp[None, :], 1)
+    cell = ws_ptr + (s * num_units + unit).to(tl.int64) * SPLIT_K * BLOCK_R
+    acc = _gemv_delta(b, _gemv_partials(cell, SPLIT_K, BLOCK_R))
     if MUL_ROUTED_WEIGHT:
         acc = acc * weight
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty) + prior, mask=nmask)

@@ -52,7 +52,7 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
     blocks at the two smallest splits. In the naive routing form (decode) also the GEMV shrink
     over 2 to 16 K ranges of at least 64, with 4 or 8 warps, and the GEMV expand after it or
     after the tl.dot shrink; in the sorted form at decode sizes also expands of half and
-    quarter blocks over 4 and 8 N tiles.
+    quarter blocks over 4, 8 and 16 N tiles.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -138,7 +138,7 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
         # 90.7 for 2 tiles.
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=slices == 2,
                               expand_parts=parts, expand_tiles=tiles)
-                for split in splits[:2] for parts in (2, 4) for tiles in (4, 8)]  # fmt: skip
+                for split in splits[:2] for parts in (2, 4) for tiles in (4, 8, 16)]  # fmt: skip
     return list(dict.fromkeys(out))
 
 

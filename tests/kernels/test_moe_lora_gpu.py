@@ -197,7 +197,12 @@ ACT_CASES = {
 @pytest.mark.parametrize(
     ("name", "config"),
     [(name, config) for name in sorted(ACT_CASES) for config in (SPLIT, SPLIT_SLICES)]
-    + [(name, GEMV) for name in sorted(ACT_CASES) if not ACT_CASES[name].sorted_form],
+    + [
+        (name, config)
+        for name in sorted(ACT_CASES)
+        if not ACT_CASES[name].sorted_form
+        for config in (GEMV, GEMV_BOTH)
+    ],
 )
 def test_expand_silu_and_mul_matches_reference(
     name: str, config: MoeLoraConfig, dtype: torch.dtype
@@ -206,8 +211,12 @@ def test_expand_silu_and_mul_matches_reference(
     assert err < TOL, err
 
 
-def test_expand_silu_and_mul_reads_the_buffer_only_after_the_kernel_before() -> None:
-    """As the expand, the fused kernel loads the buffer before its PDL wait (decode sizes)."""
+@pytest.mark.parametrize("config", [SPLIT, GEMV_BOTH], ids=["split", "gemv_both"])
+def test_expand_silu_and_mul_reads_the_buffer_only_after_the_kernel_before(
+    config: MoeLoraConfig,
+) -> None:
+    """As the expand, the fused kernel's naive-form programs load the buffer row before their
+    PDL wait (decode sizes)."""
     case = Case(16, 8, 128, 32, 8, "uniform", k=2048, n=768)
     outs = []
     for racy in (True, False):
@@ -222,7 +231,7 @@ def test_expand_silu_and_mul_reads_the_buffer_only_after_the_kernel_before() -> 
         if rewrite is not None:
             rewrite()
         with defer_gate_up_expand() as deferred:
-            fused_moe_lora(**args, config=SPLIT)
+            fused_moe_lora(**args, config=config)
         expand_silu_and_mul(deferred[0], out)
         torch.cuda.synchronize()
         outs.append(out)
