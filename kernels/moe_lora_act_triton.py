@@ -7,13 +7,13 @@ the LoRA on chip and writes only the N activated columns. At a prefill of 16 x 1
 
 Its grid has two parts in one launch:
 - LoRA programs, one per (unit, N tile), both slices in one program: B's gate and up tiles
-  load once, then the unit's rows go by in chunks of CHUNK: the shrink's partials for gate and
-  up summed, multiplied by B, added to the buffer's tiles, SiLU(gate) x up written, the next
-  chunk's inputs loaded before this one's store. B is read once per unit and tile, not per
-  chunk: at 16 x 1600 tokens its tiles were 1.3 GB of L2 reads per layer when every 16-row
-  program read all of a slot-expert's B (`moe_lora_act` has the measurements);
-  In the naive form (decode) a unit is one pair, and its program works on that row alone
-  (`_gemv_silu_and_mul`);
+  load once, then in the sorted form the unit's rows go by in chunks of CHUNK: the shrink's
+  partials for gate and up summed, multiplied by B, added to the buffer's tiles, SiLU(gate) x
+  up written, the next chunk's inputs loaded before this one's store. B is read once per unit
+  and tile, not per chunk: at 16 x 1600 tokens its tiles were 1.3 GB of L2 reads per layer
+  when every 16-row program read all of a slot-expert's B (`moe_lora_act` has the
+  measurements). In the naive form (decode) a unit is one pair, and its program works on that
+  row alone, whatever the config's `gemv_expand` (`_gemv_silu_and_mul`);
 - plain programs, PLAIN_ROWS pairs each over all of N: they write SiLU(gate) x up for the pairs
   no LoRA program covers (no adapter, a disabled or inactive slot, no expert) and leave at once
   where every pair has one, as in a batch where every request names an adapter.
@@ -82,13 +82,13 @@ def _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, 
 
 @triton.jit
 def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr,
-                  stride_gm, stride_gn, unit_ws, slice_cells, SORTED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                  SPLIT_K: tl.constexpr, WS_ROWS: tl.constexpr):  # fmt: skip
-    """What chunk c of a unit's rows needs at columns offs_n: its pair ids and their mask, the
-    buffer's gate and up values there, and the shrink's partials for gate and up summed over
-    its K ranges. Chunks past the unit's rows load nothing."""
-    pairs = _unit_rows(slot, blk, c * CHUNK, sorted_ptr, num_pairs, em, stride_sl, SORTED,
+                  stride_gm, stride_gn, unit_ws, slice_cells, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+                  WS_ROWS: tl.constexpr):  # fmt: skip
+    """What chunk c of a sorted unit's rows needs at columns offs_n: its pair ids and their
+    mask, the buffer's gate and up values there, and the shrink's partials for gate and up
+    summed over its K ranges. Chunks past the unit's rows load nothing."""
+    pairs = _unit_rows(slot, blk, c * CHUNK, sorted_ptr, num_pairs, em, stride_sl, True,
                        BLOCK_M, CHUNK)  # fmt: skip
     pmask = pairs < num_pairs
     gate, up = _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn)
@@ -187,11 +187,6 @@ def moe_lora_expand_silu_and_mul_kernel(
     )  # fmt: skip
     if valid == 0:
         return
-    # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
-    all_pairs = _unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
-                           BLOCK_M)  # fmt: skip
-    last = tl.max(tl.where(all_pairs < num_pairs, tl.arange(0, BLOCK_M), -1), 0)
-    chunks = tl.cdiv(last + 1, CHUNK)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # B was written before the shrink let this grid launch (see moe_lora_expand_kernel), so its
     # tiles load before the wait; they stay in registers for all of the unit's chunks.
@@ -202,22 +197,27 @@ def moe_lora_expand_silu_and_mul_kernel(
     slice_cells = num_units.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     if not SORTED:
+        tl.static_assert(WS_ROWS == 1)
         _gemv_silu_and_mul(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
                            out_ptr, stride_gm, stride_gn, stride_om, stride_on, SPLIT_K, BLOCK_R,
                            USE_PDL)  # fmt: skip
         return
+    # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
+    all_pairs = _unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
+                           BLOCK_M)  # fmt: skip
+    last = tl.max(tl.where(all_pairs < num_pairs, tl.arange(0, BLOCK_M), -1), 0)
+    chunks = tl.cdiv(last + 1, CHUNK)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     pairs, pmask, gate, up, dgate, dup = _chunk_inputs(
         0, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr, stride_gm,
-        stride_gn, unit_ws, slice_cells, SORTED, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
+        stride_gn, unit_ws, slice_cells, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
     )  # fmt: skip
     # Each chunk's inputs load before the previous chunk's result is stored.
     for c in range(0, chunks):
         next_inputs = _chunk_inputs(
             c + 1, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr,
-            stride_gm, stride_gn, unit_ws, slice_cells, SORTED, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K,
-            WS_ROWS,
+            stride_gm, stride_gn, unit_ws, slice_cells, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
         )  # fmt: skip
         gate = tl.dot(dgate.to(b_gate.dtype), b_gate).to(gate.dtype) + gate
         up = tl.dot(dup.to(b_up.dtype), b_up).to(up.dtype) + up

@@ -51,13 +51,17 @@ class MoeLoraConfig:
     max_registers: int | None = None
     # split in the naive routing form (decode), on CUDA cores (`moe_lora_gemv_triton`): the
     # shrink as a GEMV over whole K ranges, one program per pair, slice and range; the expand
-    # as one over block_n columns, one program per pair, slice and N tile.
+    # as one over block_n columns, one program per pair, slice and N tile. (The fused
+    # SiLU-and-mul's naive-form programs are GEMVs whatever this says.)
     gemv_shrink: bool = False
     gemv_expand: bool = False
 
     def __post_init__(self) -> None:
         if self.gemv_shrink and (self.variant != "split" or self.fuse_slices):
-            raise ValueError("gemv_shrink is a shrink of the split variant, one slice a program")
+            raise ValueError(
+                "gemv_shrink is a shrink of the split variant, one slice a program: variant must "
+                f"be 'split' (got {self.variant!r}) and fuse_slices False (got {self.fuse_slices})"
+            )
         if self.gemv_expand and (self.variant != "split" or self.expand_tiles != 1):
             raise ValueError(
                 "gemv_expand is an expand of the split variant over block_n columns a program: "

@@ -18,7 +18,7 @@ from .moe_lora_triton import _BATCH_ARGS, _load_b, _load_prior, _naive_unit, _sl
 @triton.jit
 def _gemv_partials(cell_ptr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """A pair's shrink result (BLOCK_R,) fp32: its workspace cell's partial products (WS_ROWS
-    1) summed over the K ranges."""
+    1) summed over the K ranges (`_sum_partials` for one row, unmasked)."""
     offs_r = tl.arange(0, BLOCK_R)
     tmp = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for ks in tl.static_range(SPLIT_K):

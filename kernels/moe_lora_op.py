@@ -179,6 +179,10 @@ def fused_moe_lora(
         config = lookup(gpu, key, num_pairs, sm_count)
     if config.variant == "stock":
         raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
+    gemv_flags = [name for name in ("gemv_shrink", "gemv_expand") if getattr(config, name)]
+    if gemv_flags and sorted_form:
+        verb = "is" if len(gemv_flags) == 1 else "are"
+        raise ValueError(f"{' and '.join(gemv_flags)} {verb} for the naive routing form only")
     block_r = max(16, triton.next_power_of_2(rank))
     out2d = output.view(num_pairs, output.shape[2])
     a1 = lora_a[-1]
@@ -210,8 +214,6 @@ def fused_moe_lora(
     )
     use_pdl = pdl_ok and num_pairs <= PDL_MAX_PAIRS
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
-    if (config.gemv_shrink or config.gemv_expand) and sorted_form:
-        raise ValueError("gemv_shrink and gemv_expand serve the naive routing form only")
     if config.gemv_shrink:
         gemv.moe_lora_gemv_shrink_kernel[(num_units, len(lora_a), split)](
             x, a0, a1, ws, expert_ids, token_lora_mapping, adapter_enabled, k, top_k_num,
@@ -298,10 +300,10 @@ class SplitExpand:
         use_pdl = self.pdl_here()
         pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
         if config.gemv_expand:
-            tlm, enabled = self.routing[3], self.routing[5]
+            _, expert_ids, _, tlm, _, enabled = self.routing
             gemv.moe_lora_gemv_expand_kernel[(num_units * slices * groups,)](
-                self.ws, self.b0, self.b1, self.out2d, self.topk_weights, self.routing[1], tlm,
-                enabled, self.n, self.lengths[1], num_units, self.lengths[6], self.offset,
+                self.ws, self.b0, self.b1, self.out2d, self.topk_weights, expert_ids, tlm, enabled,
+                self.n, self.lengths[1], num_units, self.lengths[6], self.offset,
                 *self.b0.stride(), *self.out2d.stride(),
                 BLOCK_R=self.block_r, RANK=self.rank, BLOCK_N=config.block_n,
                 SPLIT_K=config.split_k, SLICES=slices, MUL_ROUTED_WEIGHT=self.mul_routed_weight,

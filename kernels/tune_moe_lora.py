@@ -67,7 +67,7 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
             MoeLoraConfig("fused", bk, 128, num_warps=8, fuse_slices=True),
         ]
     splits = [s for s in (1, 2, 4, 8, 16) if s * bk <= k]
-    if num_pairs * 32 * 2 * 4 * max(splits) > WORKSPACE_MAX_BYTES:
+    if not _workspace_fits(num_pairs, max(splits)):
         splits = [1]
     both = slices == 2
     if num_pairs >= PREFILL_MIN_PAIRS:
@@ -120,7 +120,7 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, expand_tiles=2)
                 for split in splits[:2]]  # fmt: skip
     if naive:
-        gemv_splits = [split for split in (2, 4, 8, 16) if k >= 64 * split]
+        gemv_splits = [s for s in (2, 4, 8, 16) if k >= 64 * s and _workspace_fits(num_pairs, s)]
         out += [MoeLoraConfig("split", bk, 128, split_k=split, num_warps=warps, gemv_shrink=True)
                 for split in gemv_splits for warps in (4, 8)]  # fmt: skip
         # The GEMV expand after either shrink: one row a program, not tl.dot's 16.
@@ -140,6 +140,11 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
                               expand_parts=parts, expand_tiles=tiles)
                 for split in splits[:2] for parts in (2, 4) for tiles in (4, 8, 16)]  # fmt: skip
     return list(dict.fromkeys(out))
+
+
+def _workspace_fits(num_pairs: int, split: int) -> bool:
+    """Whether the split variant's workspace at rank 32 and 2 slices stays modest."""
+    return num_pairs * 32 * 2 * 4 * split <= WORKSPACE_MAX_BYTES
 
 
 def shape_key(

@@ -112,8 +112,8 @@ def copy(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def label(cfg: MoeLoraConfig) -> str:
-    """gemv_s4_w8 (GEMV shrink over 4 K ranges, 8 warps, tl.dot expand), dot_s2_fs_w4+gemv256
-    (tl.dot shrink over 2 ranges, both slices a program, GEMV expand over 256 columns), ..."""
+    """gemv_s4_w8 (GEMV shrink over 4 K ranges, 8 warps, tl.dot expand), dot_s2_fs_w4+gemv128
+    (tl.dot shrink over 2 ranges, both slices a program, GEMV expand over 128 columns), ..."""
     shrink = "gemv" if cfg.gemv_shrink else "dot"
     slices = "_fs" if cfg.fuse_slices else ""
     expand = f"+gemv{cfg.block_n}" if cfg.gemv_expand else ""

@@ -60,6 +60,15 @@ def test_gemv_shrink_is_refused_outside_the_split_variant() -> None:
         MoeLoraConfig("split", 128, 128, fuse_slices=True, gemv_shrink=True)
 
 
+def test_sorted_decode_candidates_expand_over_more_n_tiles() -> None:
+    """Sorted decode (below the prefill pair count): half and quarter blocks over 4 to 16 N
+    tiles; the naive form gets GEMV candidates instead."""
+    wide = {(c.expand_parts, c.expand_tiles) for c in candidates(2880, 256, 2)}
+    assert {(parts, tiles) for parts in (2, 4) for tiles in (4, 8, 16)} <= wide
+    naive = {(c.expand_parts, c.expand_tiles) for c in candidates(2880, 16, 2, naive=True)}
+    assert not naive & {(4, 4), (4, 8), (4, 16)}
+
+
 def test_gemv_expand_is_refused_outside_the_split_variant_and_over_tiles() -> None:
     with pytest.raises(ValueError, match="variant must be 'split' \\(got 'fused'\\)"):
         MoeLoraConfig("fused", 128, 128, gemv_expand=True)
