@@ -1,7 +1,7 @@
 """Triton kernels for LoRA on Mixture-of-Experts layers, with torch references and a vLLM plugin.
 
 - `moe_lora_op.fused_moe_lora`: vLLM 0.26's `fused_moe_lora` signature, our kernels
-  (`moe_lora_triton`; for decode's units of one or two pairs also `moe_lora_gemv_triton`), spec in
+  (`moe_lora_triton`; for decode's one-pair units also `moe_lora_gemv_triton`), spec in
   `moe_lora_reference`, tuned configs in `configs/` read by
   `moe_lora_configs` and written by `tune_moe_lora` (or `bench/kernels/bench_moe_lora.py --tune`).
 - `lora_dense_op.lora_dense`: dense (attention) LoRA for decode batches, kernels in

@@ -28,8 +28,7 @@ from .moe_lora_op import SplitExpand
 # cap, 64 and 48 took 1.07, 1.07 and 1.31x (H200, 2026-11-23, all bit-identical; rows in the
 # message of the commit that added this sentence). With no pair on LoRA, the plain programs
 # at 32 pairs took 310-338 us at 25,600 tokens, at 64 pairs 344-383 us.
-# Decode (the naive form, or the sorted form where the tuned expand is the GEMV one: blocks of
-# one or two pairs) keeps the expand's N tile and warps, and goes row by row.
+# Decode (naive form: one pair per unit) keeps the expand's N tile and warps.
 SORTED_CHUNK = 16
 SORTED_BLOCK_N = 128
 SORTED_WARPS = 4
@@ -65,9 +64,8 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
             f"{expand.n}) {gate_up.dtype} for a gate/up expand into {tuple(gate_up.shape)}"
         )
     config = expand.config
-    gemv_rows = expand.sorted_form and config.gemv_expand
     block_n, warps = config.block_n, config.num_warps
-    if expand.sorted_form and not gemv_rows:
+    if expand.sorted_form:
         block_n, warps = SORTED_BLOCK_N, SORTED_WARPS
     num_pairs = expand.lengths[0]
     lora_programs = expand.lengths[4] * triton.cdiv(expand.n, block_n)
@@ -81,5 +79,5 @@ def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
         SORTED=expand.sorted_form, BLOCK_M=expand.block_m, LORA_PAD=expand.lora_pad,
         BLOCK_R=expand.block_r, RANK=expand.rank, BLOCK_N=block_n, SPLIT_K=config.split_k,
         WS_ROWS=expand.ws_rows, CHUNK=min(SORTED_CHUNK, expand.block_m), PLAIN_ROWS=PLAIN_ROWS,
-        GEMV_ROWS=gemv_rows, USE_PDL=use_pdl, num_warps=warps, num_stages=2, **pdl_kwargs,
+        USE_PDL=use_pdl, num_warps=warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip

@@ -13,9 +13,7 @@ Its grid has two parts in one launch:
   and tile, not per chunk: at 16 x 1600 tokens its tiles were 1.3 GB of L2 reads per layer
   when every 16-row program read all of a slot-expert's B (`moe_lora_act` has the
   measurements). In the naive form (decode) a unit is one pair, and its program works on that
-  row alone as vectors, whatever the config's `gemv_expand` (`_gemv_silu_and_mul`); in the
-  sorted form with `gemv_expand` (GEMV_ROWS: sorted decode, blocks of one or two pairs) it
-  does so row by row up to the block's last real pair, as the GEMV expand does;
+  row alone, whatever the config's `gemv_expand` (`_gemv_silu_and_mul`);
 - plain programs, PLAIN_ROWS pairs each over all of N: they write SiLU(gate) x up for the pairs
   no LoRA program covers (no adapter, a disabled or inactive slot, no expert) and leave at once
   where every pair has one, as in a batch where every request names an adapter.
@@ -27,7 +25,7 @@ stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float
 import triton
 import triton.language as tl
 
-from .moe_lora_gemv_triton import _block_rows, _gemv_delta, _gemv_partials, _row_pair
+from .moe_lora_gemv_triton import _gemv_delta, _gemv_partials
 from .moe_lora_triton import (
     _BATCH_ARGS,
     _active_slots,
@@ -101,23 +99,20 @@ def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N,
 
 
 @triton.jit
-def _gemv_silu_and_mul(pair, row_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr,
+def _gemv_silu_and_mul(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr,
                        stride_gm, stride_gn, stride_om, stride_on, SPLIT_K: tl.constexpr,
-                       WS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-                       USE_PDL: tl.constexpr):  # fmt: skip
-    """One pair's row as vectors, not a 16-row tile of which one row is real
-    (`moe_lora_gemv_triton`); row_ws is its gate cell in K range 0. The buffer row loads before
-    the PDL wait, as the expand's output tile does."""
+                       BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """A naive-form LoRA program: one pair, so its row as vectors, not a 16-row tile of which
+    one row is real (`moe_lora_gemv_triton`). The buffer row loads before the PDL wait, as the
+    expand's output tile does."""
     nmask = offs_n < N
     row = gate_up_ptr + pair.to(tl.int64) * stride_gm
     gate = tl.load(row + offs_n * stride_gn, mask=nmask, other=0.0)
     up = tl.load(row + (N + offs_n) * stride_gn, mask=nmask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    dgate = _gemv_partials(row_ws, SPLIT_K, WS_ROWS, BLOCK_R)
-    dup = _gemv_partials(row_ws + slice_cells, SPLIT_K, WS_ROWS, BLOCK_R)
-    gate += _gemv_delta(b_gate, dgate).to(gate.dtype)
-    up += _gemv_delta(b_up, dup).to(up.dtype)
+    gate += _gemv_delta(b_gate, _gemv_partials(pair_ws, SPLIT_K, BLOCK_R)).to(gate.dtype)
+    up += _gemv_delta(b_up, _gemv_partials(pair_ws + slice_cells, SPLIT_K, BLOCK_R)).to(up.dtype)
     out = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
     tl.store(out, _silu_and_mul(gate, up), mask=nmask)
 
@@ -164,7 +159,6 @@ def moe_lora_expand_silu_and_mul_kernel(
     WS_ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     PLAIN_ROWS: tl.constexpr,
-    GEMV_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[p, n] = SiLU(gate_up[p, n] + dg[p, n]) x (gate_up[p, N + n] + du[p, n]), where
@@ -205,20 +199,8 @@ def moe_lora_expand_silu_and_mul_kernel(
     if not SORTED:
         tl.static_assert(WS_ROWS == 1)
         _gemv_silu_and_mul(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
-                           out_ptr, stride_gm, stride_gn, stride_om, stride_on, SPLIT_K, WS_ROWS,
-                           BLOCK_R, USE_PDL)  # fmt: skip
-        return
-    if GEMV_ROWS:
-        pairs, rows = _block_rows(slot, blk, sorted_ptr, num_pairs, em, stride_sl, BLOCK_M)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        for row in range(0, rows):
-            pair = _row_pair(pairs, row, BLOCK_M)
-            if pair < num_pairs:
-                _gemv_silu_and_mul(pair, unit_ws + row * BLOCK_R, slice_cells, b_gate, b_up,
-                                   offs_n, N, gate_up_ptr, out_ptr, stride_gm, stride_gn,
-                                   stride_om, stride_on, SPLIT_K, WS_ROWS, BLOCK_R,
-                                   False)  # fmt: skip
+                           out_ptr, stride_gm, stride_gn, stride_om, stride_on, SPLIT_K, BLOCK_R,
+                           USE_PDL)  # fmt: skip
         return
     # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
     all_pairs = _unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,

@@ -49,11 +49,10 @@ class MoeLoraConfig:
     # the fused kernel); None leaves the compiler's choice. A program of 4 warps that uses just
     # over 128 registers fits one fewer per SM than one held to 128.
     max_registers: int | None = None
-    # split at decode sizes, on CUDA cores (`moe_lora_gemv_triton`): the shrink as a GEMV over
-    # whole K ranges, one program per unit, slice and range; the expand as one over block_n
-    # columns, one program per unit, slice and N tile; each goes over its unit's real rows one
-    # by one (the naive form's one pair, a sorted block's few). (The fused SiLU-and-mul's
-    # naive-form programs are GEMVs whatever this says; its sorted ones follow gemv_expand.)
+    # split in the naive routing form (decode), on CUDA cores (`moe_lora_gemv_triton`): the
+    # shrink as a GEMV over whole K ranges, one program per pair, slice and range; the expand
+    # as one over block_n columns, one program per pair, slice and N tile. (The fused
+    # SiLU-and-mul's naive-form programs are GEMVs whatever this says.)
     gemv_shrink: bool = False
     gemv_expand: bool = False
 

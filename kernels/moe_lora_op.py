@@ -179,6 +179,10 @@ def fused_moe_lora(
         config = lookup(gpu, key, num_pairs, sm_count)
     if config.variant == "stock":
         raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
+    gemv_flags = [name for name in ("gemv_shrink", "gemv_expand") if getattr(config, name)]
+    if gemv_flags and sorted_form:
+        verb = "is" if len(gemv_flags) == 1 else "are"
+        raise ValueError(f"{' and '.join(gemv_flags)} {verb} for the naive routing form only")
     block_r = max(16, triton.next_power_of_2(rank))
     out2d = output.view(num_pairs, output.shape[2])
     a1 = lora_a[-1]
@@ -212,11 +216,11 @@ def fused_moe_lora(
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
     if config.gemv_shrink:
         gemv.moe_lora_gemv_shrink_kernel[(num_units, len(lora_a), split)](
-            x, a0, a1, ws, *routing, k, *lengths,
-            x.stride(0), x.stride(1), *a0.stride(), stride_sl, stride_el,
-            TOKEN_FACTOR=token_factor, SORTED=sorted_form, BLOCK_M=block_m, LORA_PAD=lora_pad,
-            BLOCK_R=block_r, RANK=rank, BLOCK_K=gemv_block_k(k, split), SPLIT_K=split,
-            WS_ROWS=ws_rows, USE_PDL=use_pdl, **config.launch_options(), **pdl_kwargs,
+            x, a0, a1, ws, expert_ids, token_lora_mapping, adapter_enabled, k, top_k_num,
+            num_units, num_slots, x.stride(0), x.stride(1), *a0.stride(),
+            TOKEN_FACTOR=token_factor, BLOCK_R=block_r, RANK=rank,
+            BLOCK_K=gemv_block_k(k, split), SPLIT_K=split, USE_PDL=use_pdl,
+            **config.launch_options(), **pdl_kwargs,
         )  # fmt: skip
     else:
         kt.moe_lora_shrink_kernel[(num_units, slice_programs, split)](
@@ -296,15 +300,15 @@ class SplitExpand:
         use_pdl = self.pdl_here()
         pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
         if config.gemv_expand:
+            _, expert_ids, _, tlm, _, enabled = self.routing
             gemv.moe_lora_gemv_expand_kernel[(num_units * slices * groups,)](
-                self.ws, self.b0, self.b1, self.out2d, self.topk_weights, *self.routing, self.n,
-                *self.lengths, self.offset, *self.b0.stride(), *self.out2d.stride(),
-                *self.routing_strides,
-                SORTED=self.sorted_form, BLOCK_M=self.block_m, LORA_PAD=self.lora_pad,
+                self.ws, self.b0, self.b1, self.out2d, self.topk_weights, expert_ids, tlm, enabled,
+                self.n, self.lengths[1], num_units, self.lengths[6], self.offset,
+                *self.b0.stride(), *self.out2d.stride(),
                 BLOCK_R=self.block_r, RANK=self.rank, BLOCK_N=config.block_n,
-                SPLIT_K=config.split_k, WS_ROWS=self.ws_rows, SLICES=slices,
-                MUL_ROUTED_WEIGHT=self.mul_routed_weight, ADD_INPUTS=self.add_inputs,
-                USE_PDL=use_pdl, **config.launch_options(), **pdl_kwargs,
+                SPLIT_K=config.split_k, SLICES=slices, MUL_ROUTED_WEIGHT=self.mul_routed_weight,
+                ADD_INPUTS=self.add_inputs, USE_PDL=use_pdl, **config.launch_options(),
+                **pdl_kwargs,
             )  # fmt: skip
             return
         # Three stages: the expand's tile loop then loads B two tiles ahead. H200 at 25,600

@@ -18,7 +18,7 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
   of the kernel before it (it waits for that kernel before reading anything), and the expand
   grid starts while the shrink runs, loads its B tile and output tile, and waits for the
   shrink only before it reads the partials (so the expand takes PDL only on the shrink's
-  stream: `moe_lora_op.SplitExpand.pdl_here`). At decode sizes a config may take the
+  stream: `moe_lora_op.SplitExpand.pdl_here`). In the naive form a config may take the
   GEMV shrink or expand of `moe_lora_gemv_triton` instead, on the same workspace cells.
 - fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
   on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one

@@ -49,9 +49,10 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
     quarter blocks over several N tiles, also under a register cap. Split: 1 to 16 K ranges,
     for gate/up a shrink that does both slices at the two smallest splits (also with an expand
     over two N tiles), an expand over two N tiles at the largest split, and expands of half
-    blocks at the two smallest splits. At decode sizes, in both routing forms, also the GEMV
-    shrink and expand (`_gemv_candidates`), and in the sorted form expands of half and quarter
-    blocks over 4, 8 and 16 N tiles.
+    blocks at the two smallest splits. In the naive routing form (decode) also the GEMV shrink
+    over 2 to 16 K ranges of at least 64, with 4 or 8 warps, and the GEMV expand after it or
+    after the tl.dot shrink; in the sorted form at decode sizes also expands of half and
+    quarter blocks over 4, 8 and 16 N tiles.
     """
     bk = 128 if k >= 256 else 64
     out = [
@@ -118,9 +119,19 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
         # (blocks of one or two pairs, 23 N tiles per slice) launched ~7,800 one-tile programs.
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, expand_tiles=2)
                 for split in splits[:2]]  # fmt: skip
-    if naive or num_pairs < PREFILL_MIN_PAIRS:
-        out += _gemv_candidates(k, num_pairs, slices, splits, all_splits=naive)
-    if not naive and num_pairs < PREFILL_MIN_PAIRS:
+    if naive:
+        gemv_splits = [s for s in (2, 4, 8, 16) if k >= 64 * s and _workspace_fits(num_pairs, s)]
+        out += [MoeLoraConfig("split", bk, 128, split_k=split, num_warps=warps, gemv_shrink=True)
+                for split in gemv_splits for warps in (4, 8)]  # fmt: skip
+        # The GEMV expand after either shrink: one row a program, not tl.dot's 16.
+        out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_expand=True)
+                for split in splits for bn in (128, 256)]  # fmt: skip
+        if slices == 2:
+            out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True,
+                                  gemv_expand=True) for split in splits[:2]]  # fmt: skip
+        out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_shrink=True, gemv_expand=True)
+                for split in gemv_splits[:3] for bn in (128, 256)]  # fmt: skip
+    elif num_pairs < PREFILL_MIN_PAIRS:
         # Sorted decode blocks hold a few pairs in 16 to 64 rows: expands over more N tiles
         # each, of half or quarter blocks. H200, GPT-OSS gate/up at 256 tokens in blocks of 64
         # (the default reference align, not vLLM's): 4 tiles of half blocks 74.6 us against
@@ -129,29 +140,6 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
                               expand_parts=parts, expand_tiles=tiles)
                 for split in splits[:2] for parts in (2, 4) for tiles in (4, 8, 16)]  # fmt: skip
     return list(dict.fromkeys(out))
-
-
-def _gemv_candidates(
-    k: int, num_pairs: int, slices: int, splits: list[int], all_splits: bool
-) -> list[MoeLoraConfig]:
-    """Decode's GEMV shrink over 2 to 16 K ranges of at least 64 (4 or 8 warps), and the GEMV
-    expand after it or after the tl.dot shrink. The naive form (one pair a unit) tries the
-    tl.dot shrink's every split before it; the sorted form's blocks hold one or two pairs, a
-    row more or less than the naive form's, so it tries the two smallest."""
-    bk = 128 if k >= 256 else 64
-    gemv_splits = [s for s in (2, 4, 8, 16) if k >= 64 * s and _workspace_fits(num_pairs, s)]
-    dot_splits = splits if all_splits else splits[:2]
-    out = [MoeLoraConfig("split", bk, 128, split_k=split, num_warps=warps, gemv_shrink=True)
-           for split in gemv_splits for warps in (4, 8)]  # fmt: skip
-    # The GEMV expand after either shrink: one row at a time, not tl.dot's 16.
-    out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_expand=True)
-            for split in dot_splits for bn in (128, 256)]  # fmt: skip
-    if slices == 2:
-        out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, gemv_expand=True)
-                for split in splits[:2]]  # fmt: skip
-    out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_shrink=True, gemv_expand=True)
-            for split in gemv_splits[:3] for bn in (128, 256)]  # fmt: skip
-    return out
 
 
 def _workspace_fits(num_pairs: int, split: int) -> bool:

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from moe_lora_cases import Case, check_against_reference, make_inputs
+from moe_lora_cases import Case, check_against_reference
 
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
-from loraplex.kernels.moe_lora_op import UnsupportedMoeLoraCall, fused_moe_lora
+from loraplex.kernels.moe_lora_op import UnsupportedMoeLoraCall
 
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32, npid=2)
@@ -100,19 +100,8 @@ def test_naive_form_matches_reference(name: str, config: MoeLoraConfig) -> None:
     assert err < _tolerance(torch.float32), err
 
 
-# The GEMV kernels walk a sorted block's rows one by one, which the interpreter runs op by op:
-# 30-85 s a config at 2,047 and 2,048 tokens. Blocks full of pairs are covered by the 200- and
-# 300-token cases here, the large ones on the device (test_moe_lora_gpu.py).
-SORTED_GEMV_CASES = [name for name in sorted(SORTED_CASES) if SORTED_CASES[name].tokens < 2047]
-
-
-@pytest.mark.parametrize(
-    ("name", "config"),
-    [(name, config) for name in sorted(SORTED_CASES) for config in CONFIGS]
-    + [(name, config) for name in SORTED_GEMV_CASES for config in GEMV_CONFIGS],
-    ids=[f"{name}-{c}" for name in sorted(SORTED_CASES) for c in CONFIG_IDS]
-    + [f"{name}-{c}" for name in SORTED_GEMV_CASES for c in GEMV_IDS],
-)
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("name", sorted(SORTED_CASES))
 def test_sorted_form_matches_reference(name: str, config: MoeLoraConfig) -> None:
     case = SORTED_CASES[name]
     err = check_against_reference(case, config, torch.float32, DEVICE, seed=len(name))
@@ -136,28 +125,19 @@ def test_fp16_offset_and_overwrite(case: Case, config: MoeLoraConfig) -> None:
     assert err < _tolerance(torch.float16), err
 
 
-def test_gemv_kernels_skip_a_padding_row_inside_a_block() -> None:
-    """vLLM's align fills sorted blocks from row 0, but the GEMV kernels walk a block up to its
-    last real pair and skip any padding row before it: here row 0 of every block is padding."""
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (GEMV, "gemv_shrink is for the naive routing form only"),
+        (GEMV_EXPAND, "gemv_expand is for the naive routing form only"),
+        (GEMV_BOTH, "gemv_shrink and gemv_expand are for the naive routing form only"),
+    ],
+    ids=GEMV_IDS,
+)
+def test_gemv_kernels_refuse_the_sorted_form(config: MoeLoraConfig, message: str) -> None:
     case = SORTED_CASES["t17_k2_e8_r32_a3_disabled_bm16"]
-    base = make_inputs(case, torch.float32, DEVICE, seed=4)
-    expected = base["output"].clone()
-    fused_moe_lora(**dict(base, output=expected), shrink_block_size_m=16, config=SPLIT)
-    ids = base["sorted_token_ids"]
-    slots, em = ids.shape
-    pad = base["topk_weights"].numel()
-    blocks = torch.full((slots, -(-em // 16) * 16), pad, dtype=ids.dtype, device=ids.device)
-    blocks[:, :em] = ids
-    blocks = blocks.view(slots, -1, 16)
-    # Each block's rows shifted down by one: row 0 becomes padding, and no pair is lost.
-    shifted = torch.cat([torch.full_like(blocks[:, :, :1], pad), blocks[:, :, :-1]], dim=2)
-    shifted = shifted.reshape(slots, -1)[:, :em].contiguous()
-    assert int((shifted < pad).sum()) == int((ids < pad).sum())
-    for config in GEMV_CONFIGS:
-        got = base["output"].clone()
-        args = dict(base, output=got, sorted_token_ids=shifted)
-        fused_moe_lora(**args, shrink_block_size_m=16, config=config)
-        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), config
+    with pytest.raises(ValueError, match=message):
+        check_against_reference(case, config, torch.float32, DEVICE, seed=1)
 
 
 @pytest.mark.parametrize(

@@ -45,14 +45,12 @@ def test_bad_launch_shape_names_the_field_and_bound(fields: dict, message: str) 
         MoeLoraConfig("split", block_k=64, block_n=128, **fields)
 
 
-def test_gemv_shrink_is_a_candidate_at_decode_sizes_only() -> None:
-    """Offered at decode in both routing forms, over K ranges of at least 64 (K = 768: up to
-    8); not at prefill sizes."""
-    for naive in (True, False):
-        gemv = [c for c in candidates(768, 32, 1, naive=naive) if c.gemv_shrink]
-        assert sorted({c.split_k for c in gemv}) == [2, 4, 8]
-        assert {c.num_warps for c in gemv} == {4, 8}
-    assert not any(c.gemv_shrink for c in candidates(768, 8192, 1))
+def test_gemv_shrink_is_a_candidate_of_the_naive_form_only() -> None:
+    """Offered at decode in the naive form, over K ranges of at least 64 (K = 768: up to 8)."""
+    naive = [c for c in candidates(768, 32, 1, naive=True) if c.gemv_shrink]
+    assert sorted({c.split_k for c in naive}) == [2, 4, 8]
+    assert {c.num_warps for c in naive} == {4, 8}
+    assert not any(c.gemv_shrink for c in candidates(768, 32, 1))
 
 
 def test_gemv_shrink_is_refused_outside_the_split_variant() -> None:
@@ -64,7 +62,7 @@ def test_gemv_shrink_is_refused_outside_the_split_variant() -> None:
 
 def test_sorted_decode_candidates_expand_over_more_n_tiles() -> None:
     """Sorted decode (below the prefill pair count): half and quarter blocks over 4 to 16 N
-    tiles; the naive form does not."""
+    tiles; the naive form gets GEMV candidates instead."""
     wide = {(c.expand_parts, c.expand_tiles) for c in candidates(2880, 256, 2)}
     assert {(parts, tiles) for parts in (2, 4) for tiles in (4, 8, 16)} <= wide
     naive = {(c.expand_parts, c.expand_tiles) for c in candidates(2880, 16, 2, naive=True)}
@@ -78,13 +76,9 @@ def test_gemv_expand_is_refused_outside_the_split_variant_and_over_tiles() -> No
         MoeLoraConfig("split", 128, 128, expand_tiles=2, gemv_expand=True)
 
 
-def test_gemv_expand_is_a_candidate_at_decode_sizes_only() -> None:
-    """Offered at decode in both routing forms after both shrinks, over 128 or 256 columns: in
-    the naive form after the tl.dot shrink of every split, in the sorted form of the two
-    smallest; not at prefill sizes."""
-    for naive, dot_splits in ((True, {1, 2, 4, 8, 16}), (False, {1, 2})):
-        gemv = [c for c in candidates(2048, 32, 2, naive=naive) if c.gemv_expand]
-        assert {c.gemv_shrink for c in gemv} == {False, True}
-        assert {c.block_n for c in gemv} == {128, 256}
-        assert {c.split_k for c in gemv if not c.gemv_shrink} == dot_splits
-    assert not any(c.gemv_expand for c in candidates(2048, 8192, 2))
+def test_gemv_expand_is_a_candidate_of_the_naive_form_only() -> None:
+    """Offered at decode in the naive form after both shrinks, over 128 or 256 columns."""
+    naive = [c for c in candidates(2048, 32, 2, naive=True) if c.gemv_expand]
+    assert {c.gemv_shrink for c in naive} == {False, True}
+    assert {c.block_n for c in naive} == {128, 256}
+    assert not any(c.gemv_expand for c in candidates(2048, 32, 2))

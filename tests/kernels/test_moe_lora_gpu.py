@@ -99,22 +99,20 @@ def test_matches_reference(name: str, config: MoeLoraConfig | None, dtype: torch
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("split", [1, 3, 8, 16])
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(SORTED))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_gemv_shrink_matches_reference(name: str, split: int, dtype: torch.dtype) -> None:
     config = dataclasses.replace(GEMV, split_k=split)
-    case = CASES.get(name) or SORTED[name]
-    err = check_against_reference(case, config, dtype, "cuda", seed=len(name))
+    err = check_against_reference(CASES[name], config, dtype, "cuda", seed=len(name))
     assert err < TOL, err
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("config", [GEMV_EXPAND, GEMV_BOTH], ids=["dot_shrink", "gemv_shrink"])
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(SORTED))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_gemv_expand_matches_reference(
     name: str, config: MoeLoraConfig, dtype: torch.dtype
 ) -> None:
-    case = CASES.get(name) or SORTED[name]
-    err = check_against_reference(case, config, dtype, "cuda", seed=len(name))
+    err = check_against_reference(CASES[name], config, dtype, "cuda", seed=len(name))
     assert err < TOL, err
 
 
@@ -158,8 +156,8 @@ def test_vllm_routing_metadata(config: MoeLoraConfig) -> None:
 
 @pytest.mark.parametrize(
     ("sorted_form", "config"),
-    [(False, SPLIT), (True, SPLIT), (False, GEMV), (False, GEMV_BOTH), (True, GEMV_BOTH)],
-    ids=["naive", "sorted", "naive_gemv", "naive_gemv_both", "sorted_gemv_both"],
+    [(False, SPLIT), (True, SPLIT), (False, GEMV), (False, GEMV_BOTH)],
+    ids=["naive", "sorted", "naive_gemv", "naive_gemv_both"],
 )
 def test_expand_reads_the_output_only_after_the_kernel_before(
     sorted_form: bool, config: MoeLoraConfig
@@ -199,8 +197,7 @@ ACT_CASES = {
 @pytest.mark.parametrize(
     ("name", "config"),
     [(name, config) for name in sorted(ACT_CASES) for config in (SPLIT, SPLIT_SLICES)]
-    + [(name, GEMV) for name in sorted(ACT_CASES) if not ACT_CASES[name].sorted_form]
-    + [(name, GEMV_BOTH) for name in sorted(ACT_CASES)],
+    + [(name, GEMV) for name in sorted(ACT_CASES) if not ACT_CASES[name].sorted_form],
 )
 def test_expand_silu_and_mul_matches_reference(
     name: str, config: MoeLoraConfig, dtype: torch.dtype
@@ -211,8 +208,8 @@ def test_expand_silu_and_mul_matches_reference(
 
 @pytest.mark.parametrize(
     ("sorted_form", "config"),
-    [(False, SPLIT), (False, GEMV_BOTH), (True, SPLIT), (True, GEMV_BOTH)],
-    ids=["naive_dot_shrink", "naive_gemv_shrink", "sorted", "sorted_gemv"],
+    [(False, SPLIT), (False, GEMV_BOTH), (True, SPLIT)],
+    ids=["naive_dot_shrink", "naive_gemv_shrink", "sorted"],
 )
 def test_expand_silu_and_mul_reads_the_buffer_only_after_the_kernel_before(
     sorted_form: bool, config: MoeLoraConfig
@@ -252,36 +249,34 @@ def test_expand_silu_and_mul_compiles_once_across_batches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config", "shrink", "expand", "sorted_form"),
+    ("config", "shrink", "expand"),
     [
-        (SPLIT, kt.moe_lora_shrink_kernel, kt.moe_lora_expand_kernel, False),
-        (GEMV, gemv.moe_lora_gemv_shrink_kernel, kt.moe_lora_expand_kernel, False),
-        (GEMV_BOTH, gemv.moe_lora_gemv_shrink_kernel, gemv.moe_lora_gemv_expand_kernel, False),
-        (GEMV_BOTH, gemv.moe_lora_gemv_shrink_kernel, gemv.moe_lora_gemv_expand_kernel, True),
+        (SPLIT, kt.moe_lora_shrink_kernel, kt.moe_lora_expand_kernel),
+        (GEMV, gemv.moe_lora_gemv_shrink_kernel, kt.moe_lora_expand_kernel),
+        (GEMV_BOTH, gemv.moe_lora_gemv_shrink_kernel, gemv.moe_lora_gemv_expand_kernel),
     ],
-    ids=["split", "gemv", "gemv_both", "sorted_gemv_both"],
+    ids=["split", "gemv", "gemv_both"],
 )
 def test_cuda_graph_replay_and_no_recompile_across_batches(
-    config: MoeLoraConfig, shrink: Any, expand: Any, sorted_form: bool
+    config: MoeLoraConfig, shrink: Any, expand: Any
 ) -> None:
     """Captured in a graph, the op replays to the eager result; batch sizes 3, 5 and 9 share
     one compiled kernel per config (lengths are do_not_specialize)."""
     results = []
     for tokens in (3, 5, 9):
-        case = dataclasses.replace(Case(tokens, 8, 128, 32, 8, "uniform", k=2048, n=768),
-                                   sorted_form=sorted_form, block_m=16)  # fmt: skip
+        case = Case(tokens, 8, 128, 32, 8, "uniform", k=2048, n=768)
         eager = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
         graphed = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
-        fused_moe_lora(**eager, shrink_block_size_m=case.block_m, config=config)
+        fused_moe_lora(**eager, config=config)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             probe = make_inputs(case, torch.bfloat16, "cuda", seed=tokens)
-            fused_moe_lora(**probe, shrink_block_size_m=case.block_m, config=config)
+            fused_moe_lora(**probe, config=config)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fused_moe_lora(**graphed, shrink_block_size_m=case.block_m, config=config)
+            fused_moe_lora(**graphed, config=config)
         graph.replay()
         torch.cuda.synchronize()
         results.append(torch.equal(eager["output"], graphed["output"]))
