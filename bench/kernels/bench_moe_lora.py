@@ -8,8 +8,9 @@ w2) and batch, both ops get the same sets of inputs: vLLM's own routing metadata
 `PunicaWrapperGPU.add_lora_w13` builds them). Times are medians per call in CUDA-graph replay,
 the two ops' graphs replayed in turn (`moe_lora_workload.time_interleaved`); "eager" is a plain
 Python loop of launches. The HBM floor is the adapter bytes the call must read once over the
-device-to-device copy rate measured in the same run. Writes JSON rows (machine, commit, config)
-and prints a table.
+device-to-device copy rate measured in the same run. With --tune, the config the configs file
+gave before the tune is timed in the same interleaved run ("was", prev_us). Writes JSON rows
+(machine, commit, config) and prints a table.
 """
 
 from __future__ import annotations
@@ -183,12 +184,15 @@ def bench_point(
     key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
     num_pairs = tokens * shape.top_k
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in args]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # The config this tree's file gave before this run's tune: timed beside the new one, so the
+    # row says what the re-tune changed in the same interleaved run.
+    prev = lookup(torch.cuda.get_device_name(), key, num_pairs, sms) if ns.tune else None
     if ns.tune:
         cfg, _ = tune_point(
             args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
         )
     else:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         cfg = lookup(torch.cuda.get_device_name(), key, num_pairs, sms)
         if cfg.variant == "stock":  # time our best kernel anyway: the row compares kernels
             cfg, _ = tune_point(
@@ -208,7 +212,13 @@ def bench_point(
     got = args[0]["output"].float()
     args[0]["output"].copy_(before)
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    vllm_us, ours_us = time_interleaved([theirs, ours])
+    timed = [theirs, ours]
+    if prev is not None and prev.variant != "stock" and prev != cfg:
+        timed.append([functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m,
+                                        config=prev) for a in args])  # fmt: skip
+    vllm_us, ours_us, *prev_us = time_interleaved(timed)
+    if prev is not None and prev == cfg:
+        prev_us = [ours_us]
     served = cfg
     # Keep what wins (the plugin hands "stock" calls to vLLM's kernel), except at prefill sizes,
     # where vLLM's must win by STOCK_MARGIN_PREFILL: see its comment.
@@ -230,6 +240,8 @@ def bench_point(
         "floor_us": floor_us, "ours_over_floor": ours_us / floor_us,
         "vllm_eager_us": eager_per_call(theirs), "ours_eager_us": eager_per_call(ours),
         "rel_err_vs_vllm": err, "our_config": cfg.to_json(),
+        "prev_config": prev.to_json() if prev else None,
+        "prev_us": prev_us[0] if prev_us else None,
     }  # fmt: skip
 
 
@@ -265,7 +277,9 @@ def main() -> None:
                 print(f"{name:14s} {op:3s} T={tokens:6d} {row['form']:6s} vllm "
                       f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
                       f"floor {row['floor_us']:8.1f} ours/floor {row['ours_over_floor']:5.2f} "
-                      f"err {row['rel_err_vs_vllm']:.1e}", flush=True)  # fmt: skip
+                      f"err {row['rel_err_vs_vllm']:.1e}"
+                      + (f" was {row['prev_us']:9.1f}" if row["prev_us"] else ""),
+                      flush=True)  # fmt: skip
                 if "act_fused_us" in row:
                     print(f"{'':14s} +silu_and_mul  vllm {row['act_vllm_us']:9.1f} ours "
                           f"{row['act_ours_us']:9.1f} fused {row['act_fused_us']:9.1f} "
