@@ -1,4 +1,4 @@
-"""MoE-LoRA calls as vLLM 0.26 makes them, for the tuner and the benchmarks (torch only).
+"""MoE-LoRA calls as vLLM 0.26 makes them, for the tuner and the benchmarks.
 
 A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`):
 
@@ -8,6 +8,8 @@ A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`
 
 vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, else in the sorted
 form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
+With the plugin in, our op gets the naive form up to `moe_lora_op.NAIVE_MAX_PAIRS` pairs as well
+(`served_naive`).
 
 Timing: each call gets its own routing, adapter rotation, x and output (a "set"), and as many sets
 as it takes for the adapter bytes they touch to exceed four L2s, so repeated replays measure HBM,
@@ -17,12 +19,14 @@ vLLM runs decode, and replayed; the figure is the median per call.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .moe_lora_op import serves_naive
 from .moe_lora_reference import moe_lora_align_reference
 
 AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tuple]
@@ -79,6 +83,11 @@ def naive_form(shape: MoeShape, tokens: int, max_loras: int) -> bool:
     return tokens * shape.top_k * 8 <= shape.experts * max_loras
 
 
+def served_naive(shape: MoeShape, tokens: int, max_loras: int) -> bool:
+    """The form our op gets once the plugin is in (`moe_lora_op.serves_naive`)."""
+    return serves_naive(tokens * shape.top_k, naive_form(shape, tokens, max_loras))
+
+
 def make_weights(
     shape: MoeShape, spec: CallSpec, adapters: int, rank: int, dtype: torch.dtype, device: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -106,9 +115,11 @@ def make_set(
     dtype: torch.dtype,
     device: str,
     align: AlignFn = moe_lora_align_reference,
+    naive: bool | None = None,
 ) -> tuple[dict, int]:
     """Arguments of one call (adapters round robin over tokens, rotated by set; random top-k)
-    and the adapter bytes it must read (`floor_bytes`)."""
+    and the adapter bytes it must read (`floor_bytes`). The routing form is `naive`'s, or where
+    it is None vLLM's rule's (`naive_form`); a set's tokens and routing do not depend on it."""
     gen = torch.Generator().manual_seed(1000 + set_index)
     k = shape.top_k
     tlm = ((torch.arange(tokens) + set_index) % adapters).to(torch.int32)
@@ -119,7 +130,7 @@ def make_set(
     active = torch.unique(tlm).to(torch.int32)
     lora_ids[: active.numel()] = active
     dev = torch.device(device)
-    if naive_form(shape, tokens, adapters):
+    if naive_form(shape, tokens, adapters) if naive is None else naive:
         st, ntpp, eids = None, None, topk_ids.reshape(-1).to(dev)
     else:
         st, eids, ntpp = align(topk_ids.to(dev), tlm.to(dev), shape.experts, block_m, adapters,
@@ -157,14 +168,15 @@ def make_sets(
     dtype: torch.dtype,
     device: str,
     align: AlignFn = moe_lora_align_reference,
+    naive: bool | None = None,
 ) -> list[tuple[dict, int]]:
     """`make_set` for set 0, 1, ... until the sets' adapter bytes exceed the L2s
     (`sets_needed`): the cold sets a timing rotates over, each with its `floor_bytes`."""
-    first = make_set(shape, spec, tokens, adapters, 0, weights, block_m, dtype, device, align)
-    return [first] + [
-        make_set(shape, spec, tokens, adapters, i, weights, block_m, dtype, device, align)
-        for i in range(1, sets_needed(first[1]))
-    ]
+    make = functools.partial(make_set, shape, spec, tokens, adapters, weights=weights,
+                             block_m=block_m, dtype=dtype, device=device, align=align,
+                             naive=naive)  # fmt: skip
+    first = make(set_index=0)
+    return [first] + [make(set_index=i) for i in range(1, sets_needed(first[1]))]
 
 
 def floor_bytes(topk_ids: torch.Tensor, tlm: torch.Tensor, weights: tuple) -> int:

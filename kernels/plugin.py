@@ -12,7 +12,9 @@ and logs one line saying what it did:
   `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode batches of up to
   DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
-  pairs on; and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
+  pairs on, and asks for the naive routing form (no align at all) up to
+  `moe_lora_op.NAIVE_MAX_PAIRS` pairs, where vLLM sorts from pairs x 8 > experts x max_loras;
+  and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
   inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
   prefill sizes and in CUDA graphs runs the MoE LoRA on a side stream beside the base GEMMs:
@@ -418,6 +420,10 @@ def _patch() -> PluginState:
     punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
+    wrapper = punica_gpu.PunicaWrapperGPU
+    wrapper.moe_lora_align_block_size = _naive_up_to_our_bound(  # type: ignore[method-assign]
+        wrapper.moe_lora_align_block_size
+    )
     patch_triton_experts()
     _patch_warm_up()
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
@@ -425,6 +431,38 @@ def _patch() -> PluginState:
              "add_lora_linear, moe_lora_align_block_size and the LoRA "
              "batch metadata (pid %d)", version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
+
+
+def _naive_up_to_our_bound(align: Callable[..., Any]) -> Callable[..., Any]:
+    """PunicaWrapperGPU.moe_lora_align_block_size that also asks for the naive routing form
+    (no align kernel, one program per pair) where our kernels are faster in it
+    (`moe_lora_op.serves_naive`), except under expert parallelism (expert_map: vLLM's naive
+    form has no map from global to local experts) and with fully sharded LoRA (our op
+    declines those calls, and vLLM's rule keeps them sorted)."""
+    from .moe_lora_op import serves_naive
+
+    @functools.wraps(align)
+    def moe_lora_align_block_size(
+        self: Any,
+        topk_ids: torch.Tensor,
+        num_tokens: int,
+        block_size: int,
+        num_experts: int,
+        max_loras: int,
+        adapter_enabled: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+        pad_sorted_ids: bool = False,
+        naive_block_assignment: bool = False,
+        token_lora_mapping: torch.Tensor | None = None,
+    ) -> Any:
+        sharded = bool(getattr(self.lora_config, "fully_sharded_loras", True))
+        if expert_map is None and not sharded:
+            naive_block_assignment = serves_naive(topk_ids.numel(), naive_block_assignment)
+        return align(self, topk_ids, num_tokens, block_size, num_experts, max_loras,
+                     adapter_enabled, expert_map, pad_sorted_ids, naive_block_assignment,
+                     token_lora_mapping)  # fmt: skip
+
+    return moe_lora_align_block_size
 
 
 def register(enabled: bool | None = None) -> PluginState:

@@ -25,7 +25,7 @@ from .moe_lora_workload import (
     default_block_m,
     make_sets,
     make_weights,
-    naive_form,
+    served_naive,
     time_interleaved,
     time_per_call,
 )
@@ -209,10 +209,11 @@ def main() -> None:
             weights = make_weights(shape, spec, args.adapters, args.rank, dtype, "cuda")
             for tokens in args.batches:
                 block_m = default_block_m(tokens)
+                sorted_form = not served_naive(shape, tokens, args.adapters)
                 sets = [s for s, _ in make_sets(shape, spec, tokens, args.adapters, weights,
-                                                block_m, dtype, "cuda")]  # fmt: skip
+                                                block_m, dtype, "cuda",
+                                                naive=not sorted_form)]  # fmt: skip
                 num_pairs = tokens * shape.top_k
-                sorted_form = not naive_form(shape, tokens, args.adapters)
                 cands = candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form)
                 best, timings = tune_point(sets, cands, block_m)
                 key = shape_key(shape, spec, args.rank, sorted_form, str(dtype)).text()

@@ -39,7 +39,7 @@ from loraplex.kernels.moe_lora_workload import (
     copy_bandwidth,
     make_sets,
     make_weights,
-    naive_form,
+    served_naive,
     time_interleaved,
 )
 from loraplex.kernels.tune_moe_lora import candidates, shape_key
@@ -163,8 +163,9 @@ def main() -> None:
         for op in ("w13", "w2"):
             spec = CallSpec.of(shape, op)
             weights = make_weights(shape, spec, 8, 32, torch.bfloat16, "cuda")
-            for tokens in (t for t in (1, 4, 16) if naive_form(shape, t, 8)):
-                made = make_sets(shape, spec, tokens, 8, weights, 16, torch.bfloat16, "cuda")
+            for tokens in (t for t in (1, 4, 16) if served_naive(shape, t, 8)):
+                made = make_sets(shape, spec, tokens, 8, weights, 16, torch.bfloat16, "cuda",
+                                 naive=True)  # fmt: skip
                 sets, nbytes = [s for s, _ in made], made[0][1]
                 pairs = tokens * shape.top_k
                 key = shape_key(shape, spec, 32, False, str(torch.bfloat16))

@@ -3,19 +3,22 @@
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_moe_lora.py --commit SHA --out DIR
 
 Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model shape, call (w13,
-w2) and batch, both ops get the same sets of inputs: vLLM's own routing metadata (its
-`moe_lora_align_block_size` CUDA op, its naive/sorted rule and its MoE-LoRA config, as
-`PunicaWrapperGPU.add_lora_w13` builds them). Times are medians per call in CUDA-graph replay,
-the two ops' graphs replayed in turn (`moe_lora_workload.time_interleaved`); "eager" is a plain
-Python loop of launches. The HBM floor is the adapter bytes the call must read once over the
-device-to-device copy rate measured in the same run. With --tune, the config the configs file
-gave before the tune is timed in the same interleaved run ("was", prev_us). Writes JSON rows
-(machine, commit, config) and prints a table.
+w2) and batch, both ops get the same tokens, adapters and routing, in the routing form each gets
+in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its naive/sorted rule and
+its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op in the naive
+form up to `moe_lora_op.NAIVE_MAX_PAIRS` pairs (the plugin's rule). Where the two forms differ
+our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us). Times are medians per
+call in CUDA-graph replay, the graphs replayed in turn (`moe_lora_workload.time_interleaved`);
+"eager" is a plain Python loop of launches. The HBM floor is the adapter bytes the call must
+read once over the device-to-device copy rate measured in the same run. With --tune, the config
+the configs file gave before the tune is timed in the same interleaved run ("was", prev_us).
+Writes JSON rows (machine, commit, config) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -47,6 +50,7 @@ from loraplex.kernels.moe_lora_workload import (
     make_sets,
     make_weights,
     naive_form,
+    served_naive,
     time_interleaved,
 )
 from loraplex.kernels.tune_moe_lora import candidates, shape_key, tune_point
@@ -133,18 +137,20 @@ def with_activation(
     torch.ops._C.silu_and_mul(out, gate_up)
 
 
-def bench_activation(args: list[dict], theirs: list, ours: list) -> dict:
-    """The gate/up LoRA with the SiLU-and-mul after it: vLLM's op, ours, ours fused into it."""
+def bench_activation(their_args: list[dict], args: list[dict], theirs: list, ours: list) -> dict:
+    """The gate/up LoRA with the SiLU-and-mul after it: vLLM's op (on their_args, its routing
+    form), ours and ours fused into it (on args)."""
     tokens, top_k, width = args[0]["output"].shape
     pairs = tokens * top_k
-    buffers = [a["output"].view(pairs, width) for a in args]
-    outs = [torch.empty(pairs, width // 2, dtype=b.dtype, device="cuda") for b in buffers]
+    outs = [torch.empty(pairs, width // 2, dtype=args[0]["output"].dtype, device="cuda")
+            for _ in args]  # fmt: skip
 
-    def calls(loras: list, fuse: bool) -> list:
-        return [functools.partial(with_activation, lora, buffer, out, fuse)
-                for lora, buffer, out in zip(loras, buffers, outs, strict=True)]  # fmt: skip
+    def calls(loras: list, sets: list[dict], fuse: bool) -> list:
+        return [functools.partial(with_activation, lora, s["output"].view(pairs, width), out, fuse)
+                for lora, s, out in zip(loras, sets, outs, strict=True)]  # fmt: skip
 
-    runs = {"vllm": calls(theirs, False), "ours": calls(ours, False), "fused": calls(ours, True)}
+    runs = {"vllm": calls(theirs, their_args, False), "ours": calls(ours, args, False),
+            "fused": calls(ours, args, True)}  # fmt: skip
     before = args[0]["output"].clone()
     results = []
     for name in ("ours", "fused"):
@@ -178,12 +184,18 @@ def bench_point(
     shrink, expand = vllm_configs(shape, op, tokens, ns.rank)
     block_m = int(shrink.get("BLOCK_SIZE_M") or 64)
     align = functools.partial(vllm_align, ours=ns.align == "ours")
-    sets = make_sets(shape, spec, tokens, ns.adapters, weights, block_m, ns.dtype, "cuda", align)
+    make = functools.partial(make_sets, shape, spec, tokens, ns.adapters, weights, block_m,
+                             ns.dtype, "cuda", align)  # fmt: skip
+    vllm_naive = naive_form(shape, tokens, ns.adapters)
+    sorted_form = not served_naive(shape, tokens, ns.adapters)
+    # Each op gets the routing form it gets in vLLM, on the same tokens and routing: vLLM's by
+    # its own rule, ours by the plugin's (naive up to NAIVE_MAX_PAIRS).
+    sets = make(naive=not sorted_form)
     args = [s for s, _ in sets]
-    sorted_form = not naive_form(shape, tokens, ns.adapters)
+    their_args = args if vllm_naive != sorted_form else [s for s, _ in make(naive=vllm_naive)]
     key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
     num_pairs = tokens * shape.top_k
-    theirs = [functools.partial(vllm_call, a, shrink, expand) for a in args]
+    theirs = [functools.partial(vllm_call, a, shrink, expand) for a in their_args]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # The config this tree's file gave before this run's tune: timed beside the new one, so the
     # row says what the re-tune changed in the same interleaved run.
@@ -202,23 +214,34 @@ def bench_point(
         functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m, config=cfg)
         for a in args
     ]
-    # Compared on a zeroed output, so the error is the delta's, not the base values' rounding.
+    # Compared on zeroed outputs, so the error is the delta's, not the base values' rounding.
     before = args[0]["output"].clone()
-    args[0]["output"].zero_()
+    their_args[0]["output"].zero_()
     theirs[0]()
-    ref = args[0]["output"].float()
+    ref = their_args[0]["output"].float()
+    their_args[0]["output"].copy_(before)
     args[0]["output"].zero_()
     ours[0]()
     got = args[0]["output"].float()
     args[0]["output"].copy_(before)
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    timed = [theirs, ours]
+
+    def ours_with(config: MoeLoraConfig, sets: list[dict]) -> list:
+        return [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m,
+                                  config=config) for a in sets]  # fmt: skip
+
+    timed = {"vllm": theirs, "ours": ours}
     if prev is not None and prev.variant != "stock" and prev != cfg:
-        timed.append([functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m,
-                                        config=prev) for a in args])  # fmt: skip
-    vllm_us, ours_us, *prev_us = time_interleaved(timed)
-    if prev is not None and prev == cfg:
-        prev_us = [ours_us]
+        timed["prev"] = ours_with(prev, args)
+    # Where the plugin's rule gives our op the naive form and vLLM's the sorted one: our op in
+    # vLLM's form too (its tuned config there), what the plugin served before it widened the rule.
+    vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
+    vllm_form_cfg = lookup(torch.cuda.get_device_name(), vllm_form_key, num_pairs, sms)
+    if their_args is not args and vllm_form_cfg.variant != "stock":
+        timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args)
+    times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
+    vllm_us, ours_us = times["vllm"], times["ours"]
+    prev_us = [times.get("prev", ours_us)] if prev is not None else []
     served = cfg
     # Keep what wins (the plugin hands "stock" calls to vLLM's kernel), except at prefill sizes,
     # where vLLM's must win by STOCK_MARGIN_PREFILL: see its comment.
@@ -228,12 +251,12 @@ def bench_point(
     if ns.tune:
         ns.tuned.setdefault(key.text(), {})[num_pairs] = served
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
-    activation = (
-        bench_activation(args, theirs, ours) if op == "w13" and shape.activation == "silu" else {}
-    )
+    silu = op == "w13" and shape.activation == "silu"
+    activation = bench_activation(their_args, args, theirs, ours) if silu else {}
     return activation | {
         "shape": shape.name, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
+        "vllm_form": "naive" if vllm_naive else "sorted",
         "vllm_block_m": block_m, "sets": len(sets), "vllm_us": vllm_us, "ours_us": ours_us,
         "speedup": vllm_us / ours_us, "plugin_speedup": vllm_us / min(vllm_us, ours_us),
         "plugin_serves": "vllm" if served.variant == "stock" else "loraplex",
@@ -242,6 +265,7 @@ def bench_point(
         "rel_err_vs_vllm": err, "our_config": cfg.to_json(),
         "prev_config": prev.to_json() if prev else None,
         "prev_us": prev_us[0] if prev_us else None,
+        "ours_vllm_form_us": times.get("ours_vllm_form"),
     }  # fmt: skip
 
 
@@ -278,7 +302,9 @@ def main() -> None:
                       f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
                       f"floor {row['floor_us']:8.1f} ours/floor {row['ours_over_floor']:5.2f} "
                       f"err {row['rel_err_vs_vllm']:.1e}"
-                      + (f" was {row['prev_us']:9.1f}" if row["prev_us"] else ""),
+                      + (f" was {row['prev_us']:9.1f}" if row["prev_us"] else "")
+                      + (f" in vLLM's form {row['ours_vllm_form_us']:9.1f}"
+                         if row["ours_vllm_form_us"] else ""),
                       flush=True)  # fmt: skip
                 if "act_fused_us" in row:
                     print(f"{'':14s} +silu_and_mul  vllm {row['act_vllm_us']:9.1f} ours "

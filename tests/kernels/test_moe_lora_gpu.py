@@ -301,6 +301,8 @@ def test_plugin_serves_vllm_calls_with_our_op() -> None:
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
     assert getattr(TritonExperts.activation, "_loraplex", False)
+    # The align asks for the naive form up to our bound (test_plugin.py has the rule).
+    assert hasattr(punica_gpu.PunicaWrapperGPU.moe_lora_align_block_size, "__wrapped__")
     case = Case(4, 8, 128, 32, 8, "distinct", k=2048, n=768)
     ours = make_inputs(case, torch.bfloat16, "cuda", seed=9)
     theirs = make_inputs(case, torch.bfloat16, "cuda", seed=9)

@@ -113,3 +113,49 @@ def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> 
             a.name for a in op.default._schema.arguments if a.alias_info and a.alias_info.is_write
         }
         assert written == mutated
+
+
+class _Wrapper:
+    """What `_naive_up_to_our_bound` reads of a PunicaWrapperGPU: its LoRA config."""
+
+    def __init__(self, fully_sharded: bool) -> None:
+        self.lora_config = type("LoRAConfig", (), {"fully_sharded_loras": fully_sharded})()
+
+
+def _routing_form_asked(pairs: int, **call: object) -> bool:
+    """The naive_block_assignment the wrapped align hands on to vLLM's for a call of `pairs`
+    (token, expert) pairs, as vLLM's add_lora_w13 makes it."""
+    import torch
+
+    from loraplex.kernels.plugin import _naive_up_to_our_bound
+
+    seen = []
+
+    def vllm_align(self: object, topk_ids: torch.Tensor, *args: object) -> None:
+        seen.append(args[7])
+
+    wrapped = _naive_up_to_our_bound(vllm_align)
+    sharded = bool(call.pop("fully_sharded", False))
+    topk_ids = torch.zeros(pairs // 4, 4, dtype=torch.int32)
+    kwargs = {"expert_map": None, "naive_block_assignment": False} | call
+    wrapped(_Wrapper(sharded), topk_ids, pairs // 4, 16, 32, 8, torch.ones(9), **kwargs)
+    return bool(seen[0])
+
+
+def test_naive_routing_form_up_to_our_bound() -> None:
+    """vLLM sorts GPT-OSS calls (32 experts, 8 slots) from 33 pairs; the plugin asks for the
+    naive form up to NAIVE_MAX_PAIRS, where our kernels are faster in it."""
+    from loraplex.kernels.moe_lora_op import NAIVE_MAX_PAIRS
+
+    assert _routing_form_asked(64)
+    assert _routing_form_asked(NAIVE_MAX_PAIRS)
+    assert not _routing_form_asked(NAIVE_MAX_PAIRS + 4)
+    assert _routing_form_asked(NAIVE_MAX_PAIRS + 4, naive_block_assignment=True)  # vLLM's say
+
+
+def test_naive_routing_form_left_to_vllm_under_expert_or_rank_sharding() -> None:
+    """With an expert map (expert parallelism) or fully sharded LoRA vLLM's rule stands."""
+    import torch
+
+    assert not _routing_form_asked(64, fully_sharded=True)
+    assert not _routing_form_asked(64, expert_map=torch.arange(32))
