@@ -8,7 +8,7 @@ A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`
 
 vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, else in the sorted
 form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
-With the plugin in, our op gets the naive form up to `moe_lora_op.NAIVE_MAX_PAIRS` pairs as well
+With the plugin in, our op gets the naive form up to one pair per (slot, expert) as well
 (`served_naive`).
 
 Timing: each call gets its own routing, adapter rotation, x and output (a "set"), and as many sets
@@ -85,7 +85,8 @@ def naive_form(shape: MoeShape, tokens: int, max_loras: int) -> bool:
 
 def served_naive(shape: MoeShape, tokens: int, max_loras: int) -> bool:
     """The form our op gets once the plugin is in (`moe_lora_op.serves_naive`)."""
-    return serves_naive(tokens * shape.top_k, naive_form(shape, tokens, max_loras))
+    pairs = tokens * shape.top_k
+    return serves_naive(pairs, shape.experts, max_loras, naive_form(shape, tokens, max_loras))
 
 
 def make_weights(

@@ -12,8 +12,9 @@ and logs one line saying what it did:
   `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode batches of up to
   DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
-  pairs on, and asks for the naive routing form (no align at all) up to
-  `moe_lora_op.NAIVE_MAX_PAIRS` pairs, where vLLM sorts from pairs x 8 > experts x max_loras;
+  pairs on, and asks for the naive routing form (no align at all) while a batch has at most
+  one pair per (adapter slot, expert) (`moe_lora_op.serves_naive`), where vLLM sorts from an
+  eighth of that;
   and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
   inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
@@ -457,7 +458,9 @@ def _naive_up_to_our_bound(align: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         sharded = bool(getattr(self.lora_config, "fully_sharded_loras", True))
         if expert_map is None and not sharded:
-            naive_block_assignment = serves_naive(topk_ids.numel(), naive_block_assignment)
+            naive_block_assignment = serves_naive(
+                topk_ids.numel(), num_experts, max_loras, naive_block_assignment
+            )
         return align(self, topk_ids, num_tokens, block_size, num_experts, max_loras,
                      adapter_enabled, expert_map, pad_sorted_ids, naive_block_assignment,
                      token_lora_mapping)  # fmt: skip

@@ -5,14 +5,15 @@
 Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model shape, call (w13,
 w2) and batch, both ops get the same tokens, adapters and routing, in the routing form each gets
 in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its naive/sorted rule and
-its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op in the naive
-form up to `moe_lora_op.NAIVE_MAX_PAIRS` pairs (the plugin's rule). Where the two forms differ
-our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us). Times are medians per
-call in CUDA-graph replay, the graphs replayed in turn (`moe_lora_workload.time_interleaved`);
-"eager" is a plain Python loop of launches. The HBM floor is the adapter bytes the call must
-read once over the device-to-device copy rate measured in the same run. With --tune, the config
-the configs file gave before the tune is timed in the same interleaved run ("was", prev_us).
-Writes JSON rows (machine, commit, config) and prints a table.
+its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op also in the
+naive form up to one pair per (slot, expert) (the plugin's rule, `moe_lora_op.serves_naive`).
+Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us).
+Times are medians per call in CUDA-graph replay, the graphs replayed in turn
+(`moe_lora_workload.time_interleaved`); "eager" is a plain Python loop of launches. The HBM
+floor is the adapter bytes the call must read once over the device-to-device copy rate measured
+in the same run. With --tune, the config the configs file gave before the tune is timed in the
+same interleaved run ("was", prev_us). Writes JSON rows (machine, commit, config) and prints a
+table.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def bench_point(
     vllm_naive = naive_form(shape, tokens, ns.adapters)
     sorted_form = not served_naive(shape, tokens, ns.adapters)
     # Each op gets the routing form it gets in vLLM, on the same tokens and routing: vLLM's by
-    # its own rule, ours by the plugin's (naive up to NAIVE_MAX_PAIRS).
+    # its own rule, ours by the plugin's (`moe_lora_op.serves_naive`).
     sets = make(naive=not sorted_form)
     args = [s for s, _ in sets]
     their_args = args if vllm_naive != sorted_form else [s for s, _ in make(naive=vllm_naive)]

@@ -122,7 +122,7 @@ class _Wrapper:
         self.lora_config = type("LoRAConfig", (), {"fully_sharded_loras": fully_sharded})()
 
 
-def _routing_form_asked(pairs: int, **call: object) -> bool:
+def _routing_form_asked(pairs: int, experts: int = 32, slots: int = 8, **call: object) -> bool:
     """The naive_block_assignment the wrapped align hands on to vLLM's for a call of `pairs`
     (token, expert) pairs, as vLLM's add_lora_w13 makes it."""
     import torch
@@ -138,19 +138,21 @@ def _routing_form_asked(pairs: int, **call: object) -> bool:
     sharded = bool(call.pop("fully_sharded", False))
     topk_ids = torch.zeros(pairs // 4, 4, dtype=torch.int32)
     kwargs = {"expert_map": None, "naive_block_assignment": False} | call
-    wrapped(_Wrapper(sharded), topk_ids, pairs // 4, 16, 32, 8, torch.ones(9), **kwargs)
+    wrapped(_Wrapper(sharded), topk_ids, pairs // 4, 16, experts, slots, torch.ones(9), **kwargs)
     return bool(seen[0])
 
 
-def test_naive_routing_form_up_to_our_bound() -> None:
+def test_naive_routing_form_up_to_one_pair_per_slot_expert() -> None:
     """vLLM sorts GPT-OSS calls (32 experts, 8 slots) from 33 pairs; the plugin asks for the
-    naive form up to NAIVE_MAX_PAIRS, where our kernels are faster in it."""
+    naive form up to one pair per (slot, expert), and NAIVE_MAX_PAIRS at most."""
     from loraplex.kernels.moe_lora_op import NAIVE_MAX_PAIRS
 
     assert _routing_form_asked(64)
-    assert _routing_form_asked(NAIVE_MAX_PAIRS)
-    assert not _routing_form_asked(NAIVE_MAX_PAIRS + 4)
-    assert _routing_form_asked(NAIVE_MAX_PAIRS + 4, naive_block_assignment=True)  # vLLM's say
+    assert _routing_form_asked(32 * 8)
+    assert not _routing_form_asked(32 * 8 + 4)
+    assert _routing_form_asked(32 * 8 + 4, naive_block_assignment=True)  # vLLM's own say
+    assert _routing_form_asked(NAIVE_MAX_PAIRS, experts=128)
+    assert not _routing_form_asked(NAIVE_MAX_PAIRS + 4, experts=256)  # sparse, but past the cap
 
 
 def test_naive_routing_form_left_to_vllm_under_expert_or_rank_sharding() -> None:
