@@ -27,6 +27,29 @@ Variant = Literal["split", "fused", "stock"]
 MIN_REGISTERS, MAX_REGISTERS = 16, 255
 
 
+# Our kernels take decode batches in the naive routing form (a program per pair) while
+# pairs <= experts x max_loras (one pair per (adapter slot, expert) on average over vLLM's slots),
+# and NAIVE_MAX_PAIRS at most, where vLLM's rule (pairs x 8 <= experts x max_loras) sorts them
+# from an eighth of that: the plugin widens the rule (`plugin._naive_up_to_our_bound`). H200, 8
+# slots, each form tuned on the same routing, naive against sorted (us, gate/up and down; 64 and
+# 256 pairs of GPT-OSS-20B and 512 of Qwen3-30B-A3B from bench_moe_lora's rows at c604845, the
+# rest from a probe):
+#   GPT-OSS (32 experts): 64 pairs 17.7 / 21.6 and 10.6 / 15.0; 256 pairs 44.0 / 48.5 and
+#     25.1 / 28.0; 512 pairs 74.0 / 57.3 and 39.1 / 36.3; 1,024 pairs 138.1 / 63.0.
+#   Qwen3 (128 experts): 512 pairs 43.7 / 45.8 and 25.3 / 28.0; 1,024 pairs 78.9 / 81.6 and
+#     42.8 / 45.6; 2,048 pairs (down) 78.2 / 55.5.
+# The cap is the largest batch measured in the naive form.
+NAIVE_PAIRS_PER_SLOT_EXPERT = 1
+NAIVE_MAX_PAIRS = 1024
+
+
+def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool) -> bool:
+    """Whether a call of num_pairs pairs runs in the naive routing form once the plugin is in:
+    where vLLM's own rule says so, and while the pairs fit the bounds above."""
+    dense = num_pairs > NAIVE_PAIRS_PER_SLOT_EXPERT * experts * max_loras
+    return vllm_naive or (num_pairs <= NAIVE_MAX_PAIRS and not dense)
+
+
 @dataclass(frozen=True)
 class MoeLoraConfig:
     """How to launch one call. split: shrink over SPLIT_K K ranges, then expand; fused: one kernel

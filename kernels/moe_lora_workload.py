@@ -1,4 +1,4 @@
-"""MoE-LoRA calls as vLLM 0.26 makes them, for the tuner and the benchmarks.
+"""MoE-LoRA calls as vLLM 0.26 makes them, for the tuner and the benchmarks (torch only).
 
 A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`):
 
@@ -8,8 +8,8 @@ A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`
 
 vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, else in the sorted
 form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
-With the plugin in, our op gets the naive form up to one pair per (slot, expert) as well
-(`served_naive`).
+With the plugin in, our op also gets the naive form while T * k <= experts * max_loras, up to
+1,024 pairs (`served_naive`, `moe_lora_configs.serves_naive`).
 
 Timing: each call gets its own routing, adapter rotation, x and output (a "set"), and as many sets
 as it takes for the adapter bytes they touch to exceed four L2s, so repeated replays measure HBM,
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .moe_lora_op import serves_naive
+from .moe_lora_configs import serves_naive
 from .moe_lora_reference import moe_lora_align_reference
 
 AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tuple]
@@ -84,7 +84,7 @@ def naive_form(shape: MoeShape, tokens: int, max_loras: int) -> bool:
 
 
 def served_naive(shape: MoeShape, tokens: int, max_loras: int) -> bool:
-    """The form our op gets once the plugin is in (`moe_lora_op.serves_naive`)."""
+    """The form our op gets once the plugin is in (`moe_lora_configs.serves_naive`)."""
     pairs = tokens * shape.top_k
     return serves_naive(pairs, shape.experts, max_loras, naive_form(shape, tokens, max_loras))
 

@@ -12,8 +12,8 @@ and logs one line saying what it did:
   `torch.ops.loraplex.lora_linear`: our two-launch GEMV kernels for decode batches of up to
   DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
-  pairs on, and asks for the naive routing form (no align at all) while a batch has at most
-  one pair per (adapter slot, expert) (`moe_lora_op.serves_naive`), where vLLM sorts from an
+  pairs on, and asks for the naive routing form (no align at all) while pairs <= experts x
+  max_loras, up to 1,024 pairs (`moe_lora_configs.serves_naive`), where vLLM sorts from an
   eighth of that;
   and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
@@ -437,10 +437,12 @@ def _patch() -> PluginState:
 def _naive_up_to_our_bound(align: Callable[..., Any]) -> Callable[..., Any]:
     """PunicaWrapperGPU.moe_lora_align_block_size that also asks for the naive routing form
     (no align kernel, one program per pair) where our kernels are faster in it
-    (`moe_lora_op.serves_naive`), except under expert parallelism (expert_map: vLLM's naive
-    form has no map from global to local experts) and with fully sharded LoRA (our op
-    declines those calls, and vLLM's rule keeps them sorted)."""
-    from .moe_lora_op import serves_naive
+    (`moe_lora_configs.serves_naive`), except under expert parallelism (expert_map: vLLM's
+    naive form has no map from global to local experts), with fully sharded LoRA or ranks over
+    MAX_RANK (our op declines those calls, and vLLM's kernel was not timed in the naive form
+    past its own rule)."""
+    from .moe_lora_configs import serves_naive
+    from .moe_lora_op import MAX_RANK
 
     @functools.wraps(align)
     def moe_lora_align_block_size(
@@ -456,8 +458,9 @@ def _naive_up_to_our_bound(align: Callable[..., Any]) -> Callable[..., Any]:
         naive_block_assignment: bool = False,
         token_lora_mapping: torch.Tensor | None = None,
     ) -> Any:
-        sharded = bool(getattr(self.lora_config, "fully_sharded_loras", True))
-        if expert_map is None and not sharded:
+        config = self.lora_config
+        ours = not config.fully_sharded_loras and config.max_lora_rank <= MAX_RANK
+        if expert_map is None and ours:
             naive_block_assignment = serves_naive(
                 topk_ids.numel(), num_experts, max_loras, naive_block_assignment
             )

@@ -6,7 +6,8 @@ Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model sha
 w2) and batch, both ops get the same tokens, adapters and routing, in the routing form each gets
 in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its naive/sorted rule and
 its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op also in the
-naive form up to one pair per (slot, expert) (the plugin's rule, `moe_lora_op.serves_naive`).
+naive form while pairs <= experts x max_loras, up to 1,024 pairs (the plugin's rule,
+`moe_lora_configs.serves_naive`).
 Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us).
 Times are medians per call in CUDA-graph replay, the graphs replayed in turn
 (`moe_lora_workload.time_interleaved`); "eager" is a plain Python loop of launches. The HBM
@@ -190,7 +191,7 @@ def bench_point(
     vllm_naive = naive_form(shape, tokens, ns.adapters)
     sorted_form = not served_naive(shape, tokens, ns.adapters)
     # Each op gets the routing form it gets in vLLM, on the same tokens and routing: vLLM's by
-    # its own rule, ours by the plugin's (`moe_lora_op.serves_naive`).
+    # its own rule, ours by the plugin's (`moe_lora_configs.serves_naive`).
     sets = make(naive=not sorted_form)
     args = [s for s, _ in sets]
     their_args = args if vllm_naive != sorted_form else [s for s, _ in make(naive=vllm_naive)]
@@ -242,7 +243,8 @@ def bench_point(
         timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args)
     times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
     vllm_us, ours_us = times["vllm"], times["ours"]
-    prev_us = [times.get("prev", ours_us)] if prev is not None else []
+    # "was" is None where the file's config was "stock" (vLLM's kernel served the call).
+    prev_us = [times["prev"]] if "prev" in timed else [ours_us] if prev == cfg else []
     served = cfg
     # Keep what wins (the plugin hands "stock" calls to vLLM's kernel), except at prefill sizes,
     # where vLLM's must win by STOCK_MARGIN_PREFILL: see its comment.
@@ -280,7 +282,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--tune", action="store_true", help="tune our op on these inputs first")
     parser.add_argument("--align", choices=["vllm", "ours"], default="vllm",
-                        help="who builds the sorted routing form both ops read")  # fmt: skip
+                        help="who builds the sorted routing form (vLLM's op reads it, and ours "
+                             "where the plugin does not give it the naive form)")  # fmt: skip
     parser.add_argument("--shape-ops", nargs="+", default=["w13", "w2"])
     ns = parser.parse_args()
     ns.tuned = {}  # shape key -> num pairs -> MoeLoraConfig

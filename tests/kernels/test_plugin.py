@@ -118,8 +118,9 @@ def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> 
 class _Wrapper:
     """What `_naive_up_to_our_bound` reads of a PunicaWrapperGPU: its LoRA config."""
 
-    def __init__(self, fully_sharded: bool) -> None:
-        self.lora_config = type("LoRAConfig", (), {"fully_sharded_loras": fully_sharded})()
+    def __init__(self, fully_sharded: bool, rank: int) -> None:
+        fields = {"fully_sharded_loras": fully_sharded, "max_lora_rank": rank}
+        self.lora_config = type("LoRAConfig", (), fields)()
 
 
 def _routing_form_asked(pairs: int, experts: int = 32, slots: int = 8, **call: object) -> bool:
@@ -132,20 +133,28 @@ def _routing_form_asked(pairs: int, experts: int = 32, slots: int = 8, **call: o
     seen = []
 
     def vllm_align(self: object, topk_ids: torch.Tensor, *args: object) -> None:
-        seen.append(args[7])
+        seen.append(args)
 
     wrapped = _naive_up_to_our_bound(vllm_align)
-    sharded = bool(call.pop("fully_sharded", False))
+    rank = call.pop("rank", 32)
+    assert isinstance(rank, int)
+    wrapper = _Wrapper(bool(call.pop("fully_sharded", False)), rank)
     topk_ids = torch.zeros(pairs // 4, 4, dtype=torch.int32)
+    enabled, mapping = torch.ones(9), torch.zeros(pairs // 4)
     kwargs = {"expert_map": None, "naive_block_assignment": False} | call
-    wrapped(_Wrapper(sharded), topk_ids, pairs // 4, 16, experts, slots, torch.ones(9), **kwargs)
-    return bool(seen[0])
+    wrapped(wrapper, topk_ids, pairs // 4, 16, experts, slots, enabled, pad_sorted_ids=True,
+            token_lora_mapping=mapping, **kwargs)  # fmt: skip
+    # Everything but the routing form reaches vLLM's method as given.
+    (args,) = seen
+    assert args[:7] == (pairs // 4, 16, experts, slots, enabled, kwargs["expert_map"], True)
+    assert args[8] is mapping
+    return bool(args[7])
 
 
-def test_naive_routing_form_up_to_one_pair_per_slot_expert() -> None:
+def test_naive_routing_form_up_to_one_pair_per_slot_expert_on_average() -> None:
     """vLLM sorts GPT-OSS calls (32 experts, 8 slots) from 33 pairs; the plugin asks for the
-    naive form up to one pair per (slot, expert), and NAIVE_MAX_PAIRS at most."""
-    from loraplex.kernels.moe_lora_op import NAIVE_MAX_PAIRS
+    naive form while pairs <= experts x slots, and NAIVE_MAX_PAIRS at most."""
+    from loraplex.kernels.moe_lora_configs import NAIVE_MAX_PAIRS
 
     assert _routing_form_asked(64)
     assert _routing_form_asked(32 * 8)
@@ -155,9 +164,14 @@ def test_naive_routing_form_up_to_one_pair_per_slot_expert() -> None:
     assert not _routing_form_asked(NAIVE_MAX_PAIRS + 4, experts=256)  # sparse, but past the cap
 
 
-def test_naive_routing_form_left_to_vllm_under_expert_or_rank_sharding() -> None:
-    """With an expert map (expert parallelism) or fully sharded LoRA vLLM's rule stands."""
+def test_naive_routing_form_left_to_vllm_where_our_op_does_not_serve() -> None:
+    """With an expert map (expert parallelism), fully sharded LoRA or a rank our kernels do not
+    hold on chip, vLLM's rule stands."""
     import torch
+
+    from loraplex.kernels.moe_lora_op import MAX_RANK
 
     assert not _routing_form_asked(64, fully_sharded=True)
     assert not _routing_form_asked(64, expert_map=torch.arange(32))
+    assert not _routing_form_asked(64, rank=2 * MAX_RANK)
+    assert _routing_form_asked(64, rank=MAX_RANK)
