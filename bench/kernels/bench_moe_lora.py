@@ -189,12 +189,13 @@ def bench_point(
     make = functools.partial(make_sets, shape, spec, tokens, ns.adapters, weights, block_m,
                              ns.dtype, "cuda", align)  # fmt: skip
     vllm_naive = naive_form(shape, tokens, ns.adapters)
-    sorted_form = not served_naive(shape, tokens, ns.adapters)
+    our_naive = served_naive(shape, tokens, ns.adapters)
+    sorted_form = not our_naive
     # Each op gets the routing form it gets in vLLM, on the same tokens and routing: vLLM's by
     # its own rule, ours by the plugin's (`moe_lora_configs.serves_naive`).
-    sets = make(naive=not sorted_form)
+    sets = make(naive=our_naive)
     args = [s for s, _ in sets]
-    their_args = args if vllm_naive != sorted_form else [s for s, _ in make(naive=vllm_naive)]
+    their_args = args if vllm_naive == our_naive else [s for s, _ in make(naive=vllm_naive)]
     key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
     num_pairs = tokens * shape.top_k
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in their_args]
@@ -237,14 +238,16 @@ def bench_point(
         timed["prev"] = ours_with(prev, args)
     # Where the plugin's rule gives our op the naive form and vLLM's the sorted one: our op in
     # vLLM's form too (its tuned config there), what the plugin served before it widened the rule.
-    vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
-    vllm_form_cfg = lookup(torch.cuda.get_device_name(), vllm_form_key, num_pairs, sms)
-    if their_args is not args and vllm_form_cfg.variant != "stock":
-        timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args)
+    if their_args is not args:
+        vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
+        vllm_form_cfg = lookup(torch.cuda.get_device_name(), vllm_form_key, num_pairs, sms)
+        if vllm_form_cfg.variant != "stock":
+            timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args)
     times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
     vllm_us, ours_us = times["vllm"], times["ours"]
-    # "was" is None where the file's config was "stock" (vLLM's kernel served the call).
-    prev_us = [times["prev"]] if "prev" in timed else [ours_us] if prev == cfg else []
+    # "was" is None without a tune and where the file's config was "stock" (vLLM's kernel
+    # served the call).
+    prev_us = times.get("prev", ours_us if prev == cfg else None)
     served = cfg
     # Keep what wins (the plugin hands "stock" calls to vLLM's kernel), except at prefill sizes,
     # where vLLM's must win by STOCK_MARGIN_PREFILL: see its comment.
@@ -267,7 +270,7 @@ def bench_point(
         "vllm_eager_us": eager_per_call(theirs), "ours_eager_us": eager_per_call(ours),
         "rel_err_vs_vllm": err, "our_config": cfg.to_json(),
         "prev_config": prev.to_json() if prev else None,
-        "prev_us": prev_us[0] if prev_us else None,
+        "prev_us": prev_us,
         "ours_vllm_form_us": times.get("ours_vllm_form"),
     }  # fmt: skip
 
