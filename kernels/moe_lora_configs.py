@@ -30,7 +30,7 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 # Our kernels take decode batches in the naive routing form (a program per pair) while
 # pairs <= experts x max_loras (one pair per (adapter slot, expert) on average over vLLM's slots),
 # and NAIVE_MAX_PAIRS at most, where vLLM's rule (pairs x 8 <= experts x max_loras) sorts them
-# from an eighth of that: the plugin widens the rule (`plugin._naive_up_to_our_bound`). H200, 8
+# from an eighth of that: the plugin widens the rule (`plugin._routing_for_our_kernels`). H200, 8
 # slots, each form tuned on the same routing, naive against sorted (us, gate/up and down; 64 and
 # 256 pairs of GPT-OSS-20B and 512 of Qwen3-30B-A3B from bench_moe_lora's rows at c604845, the
 # rest from a probe):
@@ -48,6 +48,34 @@ def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool)
     where vLLM's own rule says so, and while the pairs fit the bounds above."""
     dense = num_pairs > NAIVE_PAIRS_PER_SLOT_EXPERT * experts * max_loras
     return vllm_naive or (num_pairs <= NAIVE_MAX_PAIRS and not dense)
+
+
+# In the sorted form vLLM pads each (adapter slot, expert) group of pairs to blocks of its MoE
+# config's BLOCK_SIZE_M: 64 from 97 tokens, 128 from 513. Between decode and prefill sizes the
+# groups hold a few pairs each, and our kernels multiply mostly padding rows, so the plugin asks
+# for smaller blocks there (`plugin._routing_for_our_kernels`): 16 while the pairs average at
+# most 8 per (slot, expert) over vLLM's slots, 32 up to 16; denser batches keep vLLM's block.
+# H200, 8 slots, our op tuned at each block on the same routing, vLLM's block against 32 and 16
+# (us, gate/up and down):
+#   Qwen3-30B-A3B: 256 tokens (2 pairs per slot-expert, vLLM 64) 106.9 / 104.7 / 87.1 and
+#     61.7 / 56.2 / 51.5; 512 tokens (4, 64) 116.3 / 113.9 / 99.9 and 69.6 / 68.8 / 61.0;
+#     1,024 tokens (8, 128) 166.4 / 121.4 / 108.7 and 100.0 / 73.5 / 71.0; 2,048 tokens (16,
+#     128; down) 114.2 / 97.6 / 103.1 (64: 102.3).
+#   GPT-OSS-20B: 128 tokens (2, 64) 58.4 / 59.1 / 56.6 and 36.3 / 33.1 / 32.4; 256 tokens (4,
+#     64) 64.4 / 66.2 / 63.8 and 39.5 / 37.1 / 36.2; 512 tokens (8, 64) 69.8 / 71.3 / 68.7 and
+#     43.4 / 41.3 / 41.0; 1,024 tokens (16, 128; down) 70.9 / 54.1 / 55.3 (64: 55.6).
+# Denser batches (prefill: 200 per slot-expert for Qwen3 at 16 x 1,600 tokens) were not measured
+# at other blocks.
+SMALL_BLOCKS = ((8, 16), (16, 32))  # (most pairs per slot-expert on average, block size)
+
+
+def serves_block_m(num_pairs: int, experts: int, max_loras: int, vllm_block_m: int) -> int:
+    """The sorted form's block size once the plugin is in: SMALL_BLOCKS' where the pairs are
+    sparse enough, never larger than vLLM's own."""
+    for most, block in SMALL_BLOCKS:
+        if num_pairs <= most * experts * max_loras:
+            return min(block, vllm_block_m)
+    return vllm_block_m
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`
 vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, else in the sorted
 form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
 With the plugin in, our op also gets the naive form while T * k <= experts * max_loras, up to
-1,024 pairs (`served_naive`, `moe_lora_configs.serves_naive`).
+1,024 pairs (`served_naive`, `moe_lora_configs.serves_naive`), and the sorted form in blocks of 16
+or 32 where the pairs are sparse (`served_block_m`, `moe_lora_configs.serves_block_m`).
 
 Timing: each call gets its own routing, adapter rotation, x and output (a "set"), and as many sets
 as it takes for the adapter bytes they touch to exceed four L2s, so repeated replays measure HBM,
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .moe_lora_configs import serves_naive
+from .moe_lora_configs import serves_block_m, serves_naive
 from .moe_lora_reference import moe_lora_align_reference
 
 AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tuple]
@@ -87,6 +88,13 @@ def served_naive(shape: MoeShape, tokens: int, max_loras: int) -> bool:
     """The form our op gets once the plugin is in (`moe_lora_configs.serves_naive`)."""
     pairs = tokens * shape.top_k
     return serves_naive(pairs, shape.experts, max_loras, naive_form(shape, tokens, max_loras))
+
+
+def served_block_m(shape: MoeShape, tokens: int, max_loras: int) -> int:
+    """The sorted form's block size our op gets once the plugin is in, over vLLM's default
+    (`moe_lora_configs.serves_block_m`)."""
+    pairs = tokens * shape.top_k
+    return serves_block_m(pairs, shape.experts, max_loras, default_block_m(tokens))
 
 
 def make_weights(

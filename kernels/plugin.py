@@ -14,7 +14,8 @@ and logs one line saying what it did:
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
   pairs on, and asks for the naive routing form (no align at all) while pairs <= experts x
   max_loras, up to 1,024 pairs (`moe_lora_configs.serves_naive`), where vLLM sorts from an
-  eighth of that;
+  eighth of that, and for sorted blocks of 16 or 32 rows where vLLM's config asks for 64 or
+  128 but the pairs average at most 16 per (slot, expert) (`moe_lora_configs.serves_block_m`);
   and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
   inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
@@ -422,8 +423,11 @@ def _patch() -> PluginState:
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
     punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
     wrapper = punica_gpu.PunicaWrapperGPU
-    wrapper.moe_lora_align_block_size = _naive_up_to_our_bound(  # type: ignore[method-assign]
+    wrapper.moe_lora_align_block_size = _routing_for_our_kernels(  # type: ignore[method-assign]
         wrapper.moe_lora_align_block_size
+    )
+    wrapper.add_lora_fused_moe = _configs_at_aligned_block(  # type: ignore[method-assign]
+        wrapper.add_lora_fused_moe
     )
     patch_triton_experts()
     _patch_warm_up()
@@ -434,14 +438,21 @@ def _patch() -> PluginState:
     return PluginState.PATCHED
 
 
-def _naive_up_to_our_bound(align: Callable[..., Any]) -> Callable[..., Any]:
-    """PunicaWrapperGPU.moe_lora_align_block_size that also asks for the naive routing form
-    (no align kernel, one program per pair) where our kernels are faster in it
-    (`moe_lora_configs.serves_naive`), except under expert parallelism (expert_map: vLLM's
+# Set by the wrapped align on the sorted routing form it built at another block size than
+# vLLM's config asked for; read back by the wrapped add_lora_fused_moe (both calls of a layer view
+# the same tensor).
+ALIGNED_BLOCK_ATTR = "_loraplex_block_m"
+
+
+def _routing_for_our_kernels(align: Callable[..., Any]) -> Callable[..., Any]:
+    """PunicaWrapperGPU.moe_lora_align_block_size that asks for the routing form our kernels are
+    fastest in: the naive form (no align kernel, one program per pair) where vLLM would sort
+    (`moe_lora_configs.serves_naive`), and in the sorted form smaller blocks than vLLM's config
+    (`moe_lora_configs.serves_block_m`; the block goes to the kernels through
+    `_configs_at_aligned_block`). Both stay vLLM's under expert parallelism (expert_map: vLLM's
     naive form has no map from global to local experts), with fully sharded LoRA or ranks over
-    MAX_RANK (our op declines those calls, and vLLM's kernel was not timed in the naive form
-    past its own rule)."""
-    from .moe_lora_configs import serves_naive
+    MAX_RANK (our op declines those calls, and vLLM's kernel was not timed in our forms)."""
+    from .moe_lora_configs import serves_block_m, serves_naive
     from .moe_lora_op import MAX_RANK
 
     @functools.wraps(align)
@@ -460,15 +471,69 @@ def _naive_up_to_our_bound(align: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         config = self.lora_config
         ours = not config.fully_sharded_loras and config.max_lora_rank <= MAX_RANK
+        vllm_block = block_size
         if expert_map is None and ours:
+            pairs = topk_ids.numel()
             naive_block_assignment = serves_naive(
-                topk_ids.numel(), num_experts, max_loras, naive_block_assignment
+                pairs, num_experts, max_loras, naive_block_assignment
             )
-        return align(self, topk_ids, num_tokens, block_size, num_experts, max_loras,
-                     adapter_enabled, expert_map, pad_sorted_ids, naive_block_assignment,
-                     token_lora_mapping)  # fmt: skip
+            block_size = serves_block_m(pairs, num_experts, max_loras, block_size)
+        routing = align(self, topk_ids, num_tokens, block_size, num_experts, max_loras,
+                        adapter_enabled, expert_map, pad_sorted_ids, naive_block_assignment,
+                        token_lora_mapping)  # fmt: skip
+        sorted_ids = routing[1]
+        if sorted_ids is not None and block_size != vllm_block:
+            setattr(sorted_ids, ALIGNED_BLOCK_ATTR, block_size)
+        return routing
 
     return moe_lora_align_block_size
+
+
+def aligned_block(sorted_token_ids: torch.Tensor | None) -> int | None:
+    """The block size `_routing_for_our_kernels` aligned these sorted ids (or the tensor they
+    view) to, where it was not vLLM's; else None."""
+    if sorted_token_ids is None:
+        return None
+    for t in (sorted_token_ids, sorted_token_ids._base):
+        block = getattr(t, ALIGNED_BLOCK_ATTR, None)
+        if block is not None:
+            return int(block)
+    return None
+
+
+def _configs_at_aligned_block(add_lora_fused_moe: Callable[..., Any]) -> Callable[..., Any]:
+    """PunicaWrapperGPU.add_lora_fused_moe (gate/up and down) with BLOCK_SIZE_M of both configs
+    set to the block the routing was aligned to, where `_routing_for_our_kernels` chose it:
+    the kernels, ours or vLLM's, read the sorted ids in blocks of that size."""
+
+    @functools.wraps(add_lora_fused_moe)
+    def add(
+        self: Any,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        topk_weights: torch.Tensor,
+        sorted_token_ids: torch.Tensor | None,
+        expert_ids: torch.Tensor,
+        num_tokens_post_padded: torch.Tensor | None,
+        max_lora_rank: int,
+        top_k_num: int,
+        shrink_config: dict[str, Any],
+        expand_config: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        block = aligned_block(sorted_token_ids)
+        if block is not None:
+            shrink_config = {**shrink_config, "BLOCK_SIZE_M": block}
+            expand_config = {**expand_config, "BLOCK_SIZE_M": block}
+        return add_lora_fused_moe(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights,
+                                  sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                  max_lora_rank, top_k_num, shrink_config, expand_config, *args,
+                                  **kwargs)  # fmt: skip
+
+    return add
 
 
 def register(enabled: bool | None = None) -> PluginState:

@@ -22,9 +22,9 @@ from .moe_lora_workload import (
     SHAPES,
     CallSpec,
     MoeShape,
-    default_block_m,
     make_sets,
     make_weights,
+    served_block_m,
     served_naive,
     time_interleaved,
     time_per_call,
@@ -208,7 +208,7 @@ def main() -> None:
             spec = CallSpec.of(shape, op)
             weights = make_weights(shape, spec, args.adapters, args.rank, dtype, "cuda")
             for tokens in args.batches:
-                block_m = default_block_m(tokens)
+                block_m = served_block_m(shape, tokens, args.adapters)
                 sorted_form = not served_naive(shape, tokens, args.adapters)
                 sets = [s for s, _ in make_sets(shape, spec, tokens, args.adapters, weights,
                                                 block_m, dtype, "cuda",

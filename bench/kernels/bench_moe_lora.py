@@ -6,9 +6,10 @@ Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model sha
 w2) and batch, both ops get the same tokens, adapters and routing, in the routing form each gets
 in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its naive/sorted rule and
 its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op also in the
-naive form while pairs <= experts x max_loras, up to 1,024 pairs (the plugin's rule,
-`moe_lora_configs.serves_naive`).
-Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us).
+naive form while pairs <= experts x max_loras, up to 1,024 pairs, and in the sorted form in the
+plugin's blocks (the plugin's rules, `moe_lora_configs.serves_naive` and `serves_block_m`).
+Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us,
+with the config the configs file gives that form before a tune).
 Times are medians per call in CUDA-graph replay, the graphs replayed in turn
 (`moe_lora_workload.time_interleaved`); "eager" is a plain Python loop of launches. The HBM
 floor is the adapter bytes the call must read once over the device-to-device copy rate measured
@@ -39,6 +40,7 @@ from loraplex.kernels.moe_lora_configs import (
     MoeLoraConfig,
     gpu_slug,
     lookup,
+    serves_block_m,
     write_configs,
 )
 from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
@@ -184,20 +186,25 @@ def bench_point(
 ) -> dict:
     spec = CallSpec.of(shape, op)
     shrink, expand = vllm_configs(shape, op, tokens, ns.rank)
-    block_m = int(shrink.get("BLOCK_SIZE_M") or 64)
+    num_pairs = tokens * shape.top_k
+    vllm_block = int(shrink.get("BLOCK_SIZE_M") or 64)
+    block_m = serves_block_m(num_pairs, shape.experts, ns.adapters, vllm_block)
     align = functools.partial(vllm_align, ours=ns.align == "ours")
-    make = functools.partial(make_sets, shape, spec, tokens, ns.adapters, weights, block_m,
-                             ns.dtype, "cuda", align)  # fmt: skip
+
+    def make(block: int, naive: bool) -> list[tuple[dict, int]]:
+        return make_sets(shape, spec, tokens, ns.adapters, weights, block, ns.dtype, "cuda",
+                         align, naive=naive)  # fmt: skip
+
     vllm_naive = naive_form(shape, tokens, ns.adapters)
     our_naive = served_naive(shape, tokens, ns.adapters)
     sorted_form = not our_naive
     # Each op gets the routing form it gets in vLLM, on the same tokens and routing: vLLM's by
-    # its own rule, ours by the plugin's (`moe_lora_configs.serves_naive`).
-    sets = make(naive=our_naive)
+    # its own rules, ours by the plugin's (`moe_lora_configs.serves_naive`, `serves_block_m`).
+    sets = make(block_m, our_naive)
     args = [s for s, _ in sets]
-    their_args = args if vllm_naive == our_naive else [s for s, _ in make(naive=vllm_naive)]
+    same_form = vllm_naive == our_naive and (our_naive or block_m == vllm_block)
+    their_args = args if same_form else [s for s, _ in make(vllm_block, vllm_naive)]
     key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
-    num_pairs = tokens * shape.top_k
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in their_args]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # The config this tree's file gave before this run's tune: timed beside the new one, so the
@@ -229,20 +236,21 @@ def bench_point(
     args[0]["output"].copy_(before)
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
-    def ours_with(config: MoeLoraConfig, sets: list[dict]) -> list:
-        return [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m,
+    def ours_with(config: MoeLoraConfig, sets: list[dict], block: int = block_m) -> list:
+        return [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block,
                                   config=config) for a in sets]  # fmt: skip
 
     timed = {"vllm": theirs, "ours": ours}
     if prev is not None and prev.variant != "stock" and prev != cfg:
         timed["prev"] = ours_with(prev, args)
-    # Where the plugin's rule gives our op the naive form and vLLM's the sorted one: our op in
-    # vLLM's form too (its tuned config there), what the plugin served before it widened the rule.
+    # Where the plugin's rules give our op another form than vLLM's (naive, or smaller blocks):
+    # our op in vLLM's form too, with the config the file gives that form (before a tune: the one
+    # tuned there), what the plugin served before it changed the form.
     if their_args is not args:
         vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
         vllm_form_cfg = lookup(torch.cuda.get_device_name(), vllm_form_key, num_pairs, sms)
         if vllm_form_cfg.variant != "stock":
-            timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args)
+            timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args, vllm_block)
     times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
     vllm_us, ours_us = times["vllm"], times["ours"]
     # "was" is None without a tune and where the file's config was "stock" (vLLM's kernel
@@ -263,7 +271,9 @@ def bench_point(
         "shape": shape.name, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
         "vllm_form": "naive" if vllm_naive else "sorted",
-        "vllm_block_m": block_m, "sets": len(sets), "vllm_us": vllm_us, "ours_us": ours_us,
+        "block_m": None if our_naive else block_m,
+        "vllm_block_m": None if vllm_naive else vllm_block, "sets": len(sets),
+        "vllm_us": vllm_us, "ours_us": ours_us,
         "speedup": vllm_us / ours_us, "plugin_speedup": vllm_us / min(vllm_us, ours_us),
         "plugin_serves": "vllm" if served.variant == "stock" else "loraplex",
         "floor_us": floor_us, "ours_over_floor": ours_us / floor_us,
@@ -305,7 +315,8 @@ def main() -> None:
                 row.update(machine=gpu, commit=ns.commit, copy_tb_s=bw / 1e12, rank=ns.rank,
                            adapters=ns.adapters, dtype="bfloat16", align=ns.align)  # fmt: skip
                 rows.append(row)
-                print(f"{name:14s} {op:3s} T={tokens:6d} {row['form']:6s} vllm "
+                form = row["form"] + (str(row["block_m"]) if row["block_m"] else "")
+                print(f"{name:14s} {op:3s} T={tokens:6d} {form:8s} vllm "
                       f"{row['vllm_us']:9.1f} ours {row['ours_us']:9.1f} x{row['speedup']:5.2f} "
                       f"floor {row['floor_us']:8.1f} ours/floor {row['ours_over_floor']:5.2f} "
                       f"err {row['rel_err_vs_vllm']:.1e}"

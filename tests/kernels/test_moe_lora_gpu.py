@@ -78,6 +78,16 @@ SORTED = {
         sorted_form=True,
         block_m=64,
     ),
+    # The plugin's blocks where pairs are sparse (moe_lora_configs.serves_block_m).
+    "qwen_w13_t256_bm16": dataclasses.replace(
+        Case(256, 8, 128, 32, 8, "uniform", k=2048, n=768), sorted_form=True, block_m=16
+    ),
+    "gptoss_w2_t512_bm16_none": dataclasses.replace(
+        Case(512, 4, 32, 32, 8, "zipf", no_adapter=0.1, k=2880, n=2880, slices=1),
+        mul_routed_weight=True,
+        sorted_form=True,
+        block_m=16,
+    ),
     "t2048_k2_e16_r64_bm128": dataclasses.replace(
         Case(2048, 2, 16, 64, 4, "skewed", k=512, n=200), sorted_form=True, block_m=128
     ),
@@ -314,3 +324,81 @@ def test_plugin_serves_vllm_calls_with_our_op() -> None:
         fn(*args.values(), *tuning, False, False, 0, True)
     err = (ours["output"].float() - theirs["output"].float()).norm() / theirs["output"].norm()
     assert float(err) < TOL, float(err)
+
+
+def _lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """(x[i] @ A[slot i, expert i].T) @ B[slot i, expert i].T per row i, in fp32."""
+    a_rows, b_rows = a[slots, experts].float(), b[slots, experts].float()
+    shrunk = torch.einsum("ik,irk->ir", x.float(), a_rows).to(a.dtype).float()
+    return torch.einsum("ir,inr->in", shrunk, b_rows)
+
+
+def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods() -> None:
+    """vLLM's own add_lora_w13 and add_lora_w2 with the plugin in, on a sorted batch whose pairs
+    are sparse (256 tokens of Qwen3-30B-A3B's routing, 8 slots: 2 pairs per slot-expert): the
+    align is asked for the plugin's block, not the config's, the kernels read the routing in
+    that block, and both calls add the reference's deltas. The stand-in is vLLM's per-step LoRA
+    metadata only (`token_mapping_meta`)."""
+    from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
+    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+    from loraplex.kernels.moe_lora_workload import SHAPES, CallSpec, make_weights
+    from loraplex.kernels.plugin import PluginState, aligned_block, register
+
+    assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
+    shape, slots_n, tokens = SHAPES["qwen3-30b-a3b"], 8, 256
+    e, k, hidden, inter = shape.experts, shape.top_k, shape.hidden, shape.inter
+    gen = torch.Generator().manual_seed(5)
+    topk_ids = torch.rand(tokens, e, generator=gen).topk(k, dim=1).indices.to(torch.int32).cuda()
+    topk_weights = torch.rand(tokens, k, generator=gen).cuda()
+    tlm = (torch.arange(tokens) % slots_n).to(torch.int32).cuda()
+    lora_ids = torch.cat([torch.arange(slots_n), torch.tensor([-1])]).to(torch.int32).cuda()
+    no_lora, active = torch.tensor([False]), torch.tensor([slots_n + 1], dtype=torch.int32)
+
+    class StepMeta:  # vLLM's LoRAKernelMeta: every slot active, vLLM's default (not specialised)
+        def meta_args(self, num_tokens: int, specialize: bool) -> tuple:
+            return tlm[:num_tokens], None, None, None, lora_ids, no_lora, active
+
+    punica: Any = PunicaWrapperGPU.__new__(PunicaWrapperGPU)
+    punica.token_mapping_meta = StepMeta()
+    punica.lora_config = type("LoRAConfig", (), {
+        "fully_sharded_loras": False, "max_lora_rank": 32, "specialize_active_lora": False,
+    })()  # fmt: skip
+    w1 = torch.empty(e, 2 * inter, hidden, device="meta")
+    w2 = torch.empty(e, hidden, inter, device="meta")
+    vllm_block = try_get_optimal_moe_lora_config(
+        "fused_moe_lora_w13_shrink", w1.shape, w2.shape, 32, k, None, tokens
+    )["BLOCK_SIZE_M"]
+    enabled = torch.ones(slots_n + 1, dtype=torch.int32, device="cuda")
+    w13_a, w13_b = make_weights(shape, CallSpec.of(shape, "w13"), slots_n, 32, torch.bfloat16,
+                                "cuda")  # fmt: skip
+    w2_a, w2_b = make_weights(shape, CallSpec.of(shape, "w2"), slots_n, 32, torch.bfloat16, "cuda")
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
+    y13 = torch.zeros(tokens, k, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    sorted_ids, eids, ntpp, mapping = punica.add_lora_w13(
+        y13, x, tuple(w13_a), tuple(w13_b), topk_ids, topk_weights, None, w1, w2, tokens, k,
+        slots_n, enabled, e, k, 2, False, False,
+    )  # fmt: skip
+    assert aligned_block(sorted_ids) == 16 < vllm_block, (aligned_block(sorted_ids), vllm_block)
+    x2 = torch.randn(tokens * k, inter, generator=gen).to("cuda", torch.bfloat16)
+    y2 = torch.zeros(tokens, k, hidden, dtype=torch.bfloat16, device="cuda")
+    punica.add_lora_w2(
+        y2, x2, tuple(w2_a), tuple(w2_b), topk_weights, sorted_ids, eids, ntpp, mapping, tokens,
+        w1, w2, k, slots_n, enabled, k, False, 0, False,
+    )  # fmt: skip
+    pair_slots = tlm.long().repeat_interleave(k)
+    pair_experts = topk_ids.reshape(-1).long()
+    x_pairs = x.repeat_interleave(k, dim=0)
+    expected13 = torch.cat(
+        [
+            _lora_delta(x_pairs, a, b, pair_slots, pair_experts)
+            for a, b in zip(w13_a, w13_b, strict=True)
+        ],
+        1,
+    )
+    expected2 = _lora_delta(x2, w2_a[0], w2_b[0], pair_slots, pair_experts)
+    expected2 *= topk_weights.reshape(-1, 1)
+    for got, want in ((y13.view(tokens * k, -1), expected13), (y2.view(tokens * k, -1), expected2)):
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < TOL, err

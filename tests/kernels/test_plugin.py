@@ -3,6 +3,7 @@ which the plugin must refuse with a log line (it was built against vLLM 0.26).""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -116,39 +117,60 @@ def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> 
 
 
 class _Wrapper:
-    """What `_naive_up_to_our_bound` reads of a PunicaWrapperGPU: its LoRA config."""
+    """What `_routing_for_our_kernels` reads of a PunicaWrapperGPU: its LoRA config."""
 
     def __init__(self, fully_sharded: bool, rank: int) -> None:
         fields = {"fully_sharded_loras": fully_sharded, "max_lora_rank": rank}
         self.lora_config = type("LoRAConfig", (), fields)()
 
 
-def _routing_form_asked(pairs: int, experts: int = 32, slots: int = 8, **call: object) -> bool:
-    """The naive_block_assignment the wrapped align hands on to vLLM's for a call of `pairs`
-    (token, expert) pairs, as vLLM's add_lora_w13 makes it."""
+@dataclasses.dataclass(frozen=True)
+class _Asked:
+    """What the wrapped align handed on to vLLM's, and what it returned."""
+
+    naive: bool
+    block: int
+    routing: tuple
+
+
+def _routing_asked(
+    pairs: int, experts: int = 32, slots: int = 8, block: int = 64, **call: object
+) -> _Asked:
+    """The routing form the wrapped align asks vLLM's for, for a call of `pairs` (token, expert)
+    pairs as vLLM's add_lora_w13 makes it with its config's block size `block`. vLLM's method is
+    a stand-in that returns its sorted ids (None in the naive form) as a tensor of its own."""
     import torch
 
-    from loraplex.kernels.plugin import _naive_up_to_our_bound
+    from loraplex.kernels.plugin import _routing_for_our_kernels
 
     seen = []
 
-    def vllm_align(self: object, topk_ids: torch.Tensor, *args: object) -> None:
+    def vllm_align(self: object, topk_ids: torch.Tensor, *args: object) -> tuple:
         seen.append(args)
+        naive = args[7]
+        return mapping, None if naive else torch.zeros(slots * 64), torch.zeros(slots), None
 
-    wrapped = _naive_up_to_our_bound(vllm_align)
+    wrapped = _routing_for_our_kernels(vllm_align)
     rank = call.pop("rank", 32)
     assert isinstance(rank, int)
     wrapper = _Wrapper(bool(call.pop("fully_sharded", False)), rank)
     topk_ids = torch.zeros(pairs // 4, 4, dtype=torch.int32)
     enabled, mapping = torch.ones(9), torch.zeros(pairs // 4)
     kwargs = {"expert_map": None, "naive_block_assignment": False} | call
-    wrapped(wrapper, topk_ids, pairs // 4, 16, experts, slots, enabled, pad_sorted_ids=True,
-            token_lora_mapping=mapping, **kwargs)  # fmt: skip
-    # Everything but the routing form reaches vLLM's method as given.
+    routing = wrapped(wrapper, topk_ids, pairs // 4, block, experts, slots, enabled,
+                      pad_sorted_ids=True, token_lora_mapping=mapping, **kwargs)  # fmt: skip
+    # Everything but the routing form reaches vLLM's method as given, and its result comes back.
     (args,) = seen
-    assert args[:7] == (pairs // 4, 16, experts, slots, enabled, kwargs["expert_map"], True)
+    assert args[0] == pairs // 4 and args[2:7] == (
+        experts,
+        slots,
+        enabled,
+        kwargs["expert_map"],
+        True,
+    )
     assert args[8] is mapping
-    return bool(args[7])
+    assert routing[0] is mapping
+    return _Asked(bool(args[7]), int(args[1]), routing)
 
 
 def test_naive_routing_form_up_to_one_pair_per_slot_expert_on_average() -> None:
@@ -156,22 +178,85 @@ def test_naive_routing_form_up_to_one_pair_per_slot_expert_on_average() -> None:
     naive form while pairs <= experts x slots, and NAIVE_MAX_PAIRS at most."""
     from loraplex.kernels.moe_lora_configs import NAIVE_MAX_PAIRS
 
-    assert _routing_form_asked(64)
-    assert _routing_form_asked(32 * 8)
-    assert not _routing_form_asked(32 * 8 + 4)
-    assert _routing_form_asked(32 * 8 + 4, naive_block_assignment=True)  # vLLM's own say
-    assert _routing_form_asked(NAIVE_MAX_PAIRS, experts=128)
-    assert not _routing_form_asked(NAIVE_MAX_PAIRS + 4, experts=256)  # sparse, but past the cap
+    assert _routing_asked(64).naive
+    assert _routing_asked(32 * 8).naive
+    assert not _routing_asked(32 * 8 + 4).naive
+    assert _routing_asked(32 * 8 + 4, naive_block_assignment=True).naive  # vLLM's own say
+    assert _routing_asked(NAIVE_MAX_PAIRS, experts=128).naive
+    assert not _routing_asked(NAIVE_MAX_PAIRS + 4, experts=256).naive  # sparse, but past the cap
 
 
-def test_naive_routing_form_left_to_vllm_where_our_op_does_not_serve() -> None:
+def test_sorted_blocks_of_16_then_32_while_the_pairs_are_sparse() -> None:
+    """In the sorted form the plugin asks for blocks of 16 while the pairs average at most 8
+    per (slot, expert), of 32 up to 16, and leaves denser batches at vLLM's block; it never asks
+    for a larger block than vLLM's config."""
+    slot_experts = 32 * 8
+    assert _routing_asked(slot_experts + 4).block == 16
+    assert _routing_asked(8 * slot_experts).block == 16
+    assert _routing_asked(8 * slot_experts + 4).block == 32
+    assert _routing_asked(8 * slot_experts + 4, block=128).block == 32
+    assert _routing_asked(16 * slot_experts, block=128).block == 32
+    assert _routing_asked(16 * slot_experts + 4, block=128).block == 128
+    assert _routing_asked(8 * slot_experts + 4, block=16).block == 16  # vLLM's is smaller
+    assert _routing_asked(16 * slot_experts, block=32).block == 32
+
+
+def test_the_sorted_ids_carry_the_block_they_were_aligned_to() -> None:
+    """Where the block is not vLLM's, the sorted ids say which it is, also through the views
+    add_lora_w13 and add_lora_w2 take of them; elsewhere they say nothing."""
+    from loraplex.kernels.plugin import aligned_block
+
+    sorted_ids = _routing_asked(32 * 8 + 4).routing[1]
+    assert aligned_block(sorted_ids) == 16
+    assert aligned_block(sorted_ids.view(8, -1)) == 16
+    assert aligned_block(_routing_asked(32 * 8 + 4, block=16).routing[1]) is None
+    assert aligned_block(_routing_asked(16 * 32 * 8 + 4).routing[1]) is None  # dense: vLLM's
+    assert _routing_asked(64).routing[1] is None  # naive
+    assert aligned_block(None) is None
+
+
+def test_the_kernels_get_the_block_the_routing_was_aligned_to() -> None:
+    """The wrapped add_lora_fused_moe sets BLOCK_SIZE_M of both configs to the aligned block
+    (the caller's dicts untouched) and passes everything else on as given."""
+    import torch
+
+    from loraplex.kernels.plugin import _configs_at_aligned_block
+
+    seen = []
+
+    def vllm_add(self: object, *args: object, **kwargs: object) -> None:
+        seen.append((args, kwargs))
+
+    add = _configs_at_aligned_block(vllm_add)
+    shrink = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 32}
+    expand = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_K": 32}
+    head = tuple(torch.zeros(1) for _ in range(5))
+    eids, ntpp = torch.zeros(8), torch.zeros(8)
+    tail = (torch.ones(9), True)
+    for sorted_ids, block in [
+        (_routing_asked(32 * 8 + 4).routing[1].view(8, -1), 16),
+        (_routing_asked(16 * 32 * 8 + 4).routing[1].view(8, -1), 64),
+        (None, 64),
+    ]:
+        seen.clear()
+        add(object(), *head, sorted_ids, eids, ntpp, 32, 4, shrink, expand, *tail, offset=3)
+        ((args, kwargs),) = seen
+        assert args[:5] == head and args[5] is sorted_ids and args[6:10] == (eids, ntpp, 32, 4)
+        assert args[10] == {"BLOCK_SIZE_M": block, "BLOCK_SIZE_N": 32}
+        assert args[11] == {"BLOCK_SIZE_M": block, "BLOCK_SIZE_K": 32}
+        assert args[12:] == tail and kwargs == {"offset": 3}
+    assert shrink["BLOCK_SIZE_M"] == 64 and expand["BLOCK_SIZE_M"] == 64
+
+
+def test_our_routing_forms_left_to_vllm_where_our_op_does_not_serve() -> None:
     """With an expert map (expert parallelism), fully sharded LoRA or a rank our kernels do not
-    hold on chip, vLLM's rule stands."""
+    hold on chip, vLLM's rule and block stand."""
     import torch
 
     from loraplex.kernels.moe_lora_op import MAX_RANK
 
-    assert not _routing_form_asked(64, fully_sharded=True)
-    assert not _routing_form_asked(64, expert_map=torch.arange(32))
-    assert not _routing_form_asked(64, rank=2 * MAX_RANK)
-    assert _routing_form_asked(64, rank=MAX_RANK)
+    for call in [{"fully_sharded": True}, {"expert_map": torch.arange(32)}, {"rank": 2 * MAX_RANK}]:
+        assert not _routing_asked(64, **call).naive
+        assert _routing_asked(4 * 32 * 8, **call).block == 64
+    assert _routing_asked(64, rank=MAX_RANK).naive
+    assert _routing_asked(4 * 32 * 8, rank=MAX_RANK).block == 16
