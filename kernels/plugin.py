@@ -438,17 +438,18 @@ def _patch() -> PluginState:
     return PluginState.PATCHED
 
 
-# Set by the wrapped align on the sorted routing form it built at another block size than
-# vLLM's config asked for; read back by the wrapped add_lora_fused_moe (both calls of a layer view
-# the same tensor).
-ALIGNED_BLOCK_ATTR = "_loraplex_block_m"
+# On the PunicaWrapperGPU: (address of the sorted ids, block) of the routing its wrapped align last
+# built at another block size than vLLM's config asked for, else None; read back by the wrapped
+# add_lora_fused_moe. By address, not an attribute on the tensor: both calls of a layer get views
+# of it, and under inference mode (vLLM's forward) a view keeps no link to the tensor it views.
+ALIGNED_ATTR = "_loraplex_aligned"
 
 
 def _routing_for_our_kernels(align: Callable[..., Any]) -> Callable[..., Any]:
     """PunicaWrapperGPU.moe_lora_align_block_size that asks for the routing form our kernels are
     fastest in: the naive form (no align kernel, one program per pair) where vLLM would sort
     (`moe_lora_configs.serves_naive`), and in the sorted form smaller blocks than vLLM's config
-    (`moe_lora_configs.serves_block_m`; the block goes to the kernels through
+    (`moe_lora_configs.serves_block_m`; the wrapper remembers the block, ALIGNED_ATTR, for
     `_configs_at_aligned_block`). Both stay vLLM's under expert parallelism (expert_map: vLLM's
     naive form has no map from global to local experts), with fully sharded LoRA or ranks over
     MAX_RANK (our op declines those calls, and vLLM's kernel was not timed in our forms)."""
@@ -482,23 +483,21 @@ def _routing_for_our_kernels(align: Callable[..., Any]) -> Callable[..., Any]:
                         adapter_enabled, expert_map, pad_sorted_ids, naive_block_assignment,
                         token_lora_mapping)  # fmt: skip
         sorted_ids = routing[1]
-        if sorted_ids is not None and block_size != vllm_block:
-            setattr(sorted_ids, ALIGNED_BLOCK_ATTR, block_size)
+        changed = sorted_ids is not None and block_size != vllm_block
+        setattr(self, ALIGNED_ATTR, (sorted_ids.data_ptr(), block_size) if changed else None)
         return routing
 
     return moe_lora_align_block_size
 
 
-def aligned_block(sorted_token_ids: torch.Tensor | None) -> int | None:
-    """The block size `_routing_for_our_kernels` aligned these sorted ids (or the tensor they
-    view) to, where it was not vLLM's; else None."""
-    if sorted_token_ids is None:
+def aligned_block(punica: Any, sorted_token_ids: torch.Tensor | None) -> int | None:
+    """The block size `_routing_for_our_kernels` last aligned routing to on this wrapper, where
+    it was not vLLM's and these sorted ids (or a view of them) are that routing; else None."""
+    aligned = getattr(punica, ALIGNED_ATTR, None)
+    if sorted_token_ids is None or aligned is None:
         return None
-    for t in (sorted_token_ids, sorted_token_ids._base):
-        block = getattr(t, ALIGNED_BLOCK_ATTR, None)
-        if block is not None:
-            return int(block)
-    return None
+    address, block = aligned
+    return int(block) if sorted_token_ids.data_ptr() == address else None
 
 
 def _configs_at_aligned_block(add_lora_fused_moe: Callable[..., Any]) -> Callable[..., Any]:
@@ -524,7 +523,7 @@ def _configs_at_aligned_block(add_lora_fused_moe: Callable[..., Any]) -> Callabl
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        block = aligned_block(sorted_token_ids)
+        block = aligned_block(self, sorted_token_ids)
         if block is not None:
             shrink_config = {**shrink_config, "BLOCK_SIZE_M": block}
             expand_config = {**expand_config, "BLOCK_SIZE_M": block}

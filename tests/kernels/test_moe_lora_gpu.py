@@ -334,20 +334,30 @@ def _lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.
     return torch.einsum("ir,inr->in", shrunk, b_rows)
 
 
-def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods() -> None:
-    """vLLM's own add_lora_w13 and add_lora_w2 with the plugin in, on a sorted batch whose pairs
-    are sparse (256 tokens of Qwen3-30B-A3B's routing, 8 slots: 2 pairs per slot-expert): the
-    align is asked for the plugin's block, not the config's, the kernels read the routing in
-    that block, and both calls add the reference's deltas. The stand-in is vLLM's per-step LoRA
-    metadata only (`token_mapping_meta`)."""
+@pytest.mark.parametrize(
+    ("shape_name", "slots_n", "tokens"),
+    [("qwen3-30b-a3b", 8, 256), ("e2e-check", 2, 128)],
+    ids=["qwen3_t256", "e2e_check_t128"],
+)
+def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
+    shape_name: str, slots_n: int, tokens: int
+) -> None:
+    """vLLM's own add_lora_w13 and add_lora_w2 with the plugin in, on sorted batches whose pairs
+    are sparse (Qwen3-30B-A3B's routing at 256 tokens, 8 slots: 2 pairs per slot-expert; the
+    e2e check's model, 32 experts top-4 and 2 slots, at its 128-token prefill: 8): the align
+    is asked for the plugin's block, not the config's, the kernels read the routing in that
+    block, and both calls add the reference's deltas to the base values. Under inference mode,
+    as vLLM's forward runs. The stand-in is vLLM's per-step LoRA metadata only
+    (`token_mapping_meta`)."""
     from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-    from loraplex.kernels.moe_lora_workload import SHAPES, CallSpec, make_weights
+    from loraplex.kernels.moe_lora_workload import SHAPES, CallSpec, MoeShape, make_weights
     from loraplex.kernels.plugin import PluginState, aligned_block, register
 
     assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
-    shape, slots_n, tokens = SHAPES["qwen3-30b-a3b"], 8, 256
+    small = MoeShape("e2e-check", 512, 256, 32, 4, activation="silu")  # bench_e2e.make_small_model
+    shape = SHAPES.get(shape_name, small)
     e, k, hidden, inter = shape.experts, shape.top_k, shape.hidden, shape.inter
     gen = torch.Generator().manual_seed(5)
     topk_ids = torch.rand(tokens, e, generator=gen).topk(k, dim=1).indices.to(torch.int32).cuda()
@@ -375,18 +385,23 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods() -> Non
                                 "cuda")  # fmt: skip
     w2_a, w2_b = make_weights(shape, CallSpec.of(shape, "w2"), slots_n, 32, torch.bfloat16, "cuda")
     x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
-    y13 = torch.zeros(tokens, k, 2 * inter, dtype=torch.bfloat16, device="cuda")
-    sorted_ids, eids, ntpp, mapping = punica.add_lora_w13(
-        y13, x, tuple(w13_a), tuple(w13_b), topk_ids, topk_weights, None, w1, w2, tokens, k,
-        slots_n, enabled, e, k, 2, False, False,
-    )  # fmt: skip
-    assert aligned_block(sorted_ids) == 16 < vllm_block, (aligned_block(sorted_ids), vllm_block)
     x2 = torch.randn(tokens * k, inter, generator=gen).to("cuda", torch.bfloat16)
-    y2 = torch.zeros(tokens, k, hidden, dtype=torch.bfloat16, device="cuda")
-    punica.add_lora_w2(
-        y2, x2, tuple(w2_a), tuple(w2_b), topk_weights, sorted_ids, eids, ntpp, mapping, tokens,
-        w1, w2, k, slots_n, enabled, k, False, 0, False,
-    )  # fmt: skip
+    # Base values a tenth of the deltas' size (about 0.1): big enough that a kernel writing the
+    # delta over them fails, small enough that their bf16 rounding stays under TOL.
+    y13 = (torch.randn(tokens, k, 2 * inter, generator=gen) / 100).to("cuda", torch.bfloat16)
+    y2 = (torch.randn(tokens, k, hidden, generator=gen) / 100).to("cuda", torch.bfloat16)
+    base13, base2 = y13.clone(), y2.clone()
+    with torch.inference_mode():  # as vLLM's forward runs: views keep no link to their base
+        sorted_ids, eids, ntpp, mapping = punica.add_lora_w13(
+            y13, x, tuple(w13_a), tuple(w13_b), topk_ids, topk_weights, None, w1, w2, tokens, k,
+            slots_n, enabled, e, k, 2, False, False,
+        )  # fmt: skip
+        punica.add_lora_w2(
+            y2, x2, tuple(w2_a), tuple(w2_b), topk_weights, sorted_ids, eids, ntpp, mapping,
+            tokens, w1, w2, k, slots_n, enabled, k, False, 0, False,
+        )  # fmt: skip
+    block = aligned_block(punica, sorted_ids)
+    assert block == 16 < vllm_block, (block, vllm_block)
     pair_slots = tlm.long().repeat_interleave(k)
     pair_experts = topk_ids.reshape(-1).long()
     x_pairs = x.repeat_interleave(k, dim=0)
@@ -399,6 +414,7 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods() -> Non
     )
     expected2 = _lora_delta(x2, w2_a[0], w2_b[0], pair_slots, pair_experts)
     expected2 *= topk_weights.reshape(-1, 1)
-    for got, want in ((y13.view(tokens * k, -1), expected13), (y2.view(tokens * k, -1), expected2)):
-        err = float((got.float() - want).norm() / want.norm())
+    for got, base, want in ((y13, base13, expected13), (y2, base2, expected2)):
+        delta = (got.float() - base.float()).view(tokens * k, -1)
+        err = float((delta - want).norm() / want.norm())
         assert err < TOL, err

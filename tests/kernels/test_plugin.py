@@ -131,14 +131,16 @@ class _Asked:
     naive: bool
     block: int
     routing: tuple
+    punica: object  # the stand-in wrapper the align ran on
 
 
 def _routing_asked(
     pairs: int, experts: int = 32, slots: int = 8, block: int = 64, **call: object
 ) -> _Asked:
     """The routing form the wrapped align asks vLLM's for, for a call of `pairs` (token, expert)
-    pairs as vLLM's add_lora_w13 makes it with its config's block size `block`. vLLM's method is
-    a stand-in that returns its sorted ids (None in the naive form) as a tensor of its own."""
+    pairs as vLLM's add_lora_w13 makes it with its config's block size `block`, under inference
+    mode as in vLLM's forward. vLLM's method is a stand-in that returns its sorted ids (None in
+    the naive form) as a tensor of its own."""
     import torch
 
     from loraplex.kernels.plugin import _routing_for_our_kernels
@@ -157,8 +159,9 @@ def _routing_asked(
     topk_ids = torch.zeros(pairs // 4, 4, dtype=torch.int32)
     enabled, mapping = torch.ones(9), torch.zeros(pairs // 4)
     kwargs = {"expert_map": None, "naive_block_assignment": False} | call
-    routing = wrapped(wrapper, topk_ids, pairs // 4, block, experts, slots, enabled,
-                      pad_sorted_ids=True, token_lora_mapping=mapping, **kwargs)  # fmt: skip
+    with torch.inference_mode():
+        routing = wrapped(wrapper, topk_ids, pairs // 4, block, experts, slots, enabled,
+                          pad_sorted_ids=True, token_lora_mapping=mapping, **kwargs)  # fmt: skip
     # Everything but the routing form reaches vLLM's method as given, and its result comes back.
     (args,) = seen
     assert args[0] == pairs // 4 and args[2:7] == (
@@ -170,7 +173,7 @@ def _routing_asked(
     )
     assert args[8] is mapping
     assert routing[0] is mapping
-    return _Asked(bool(args[7]), int(args[1]), routing)
+    return _Asked(bool(args[7]), int(args[1]), routing, wrapper)
 
 
 def test_naive_routing_form_up_to_one_pair_per_slot_expert_on_average() -> None:
@@ -201,18 +204,26 @@ def test_sorted_blocks_of_16_then_32_while_the_pairs_are_sparse() -> None:
     assert _routing_asked(16 * slot_experts, block=32).block == 32
 
 
-def test_the_sorted_ids_carry_the_block_they_were_aligned_to() -> None:
-    """Where the block is not vLLM's, the sorted ids say which it is, also through the views
-    add_lora_w13 and add_lora_w2 take of them; elsewhere they say nothing."""
+def test_the_wrapper_remembers_the_block_of_the_routing_it_aligned() -> None:
+    """Where the block is not vLLM's, the wrapper knows it for those sorted ids, also through
+    the views add_lora_w13 and add_lora_w2 take of them under inference mode (where a view keeps
+    no link to its base); for other tensors, or once it aligned at vLLM's block, it does not."""
+    import torch
+
     from loraplex.kernels.plugin import aligned_block
 
-    sorted_ids = _routing_asked(32 * 8 + 4).routing[1]
-    assert aligned_block(sorted_ids) == 16
-    assert aligned_block(sorted_ids.view(8, -1)) == 16
-    assert aligned_block(_routing_asked(32 * 8 + 4, block=16).routing[1]) is None
-    assert aligned_block(_routing_asked(16 * 32 * 8 + 4).routing[1]) is None  # dense: vLLM's
+    asked = _routing_asked(32 * 8 + 4)
+    sorted_ids = asked.routing[1]
+    with torch.inference_mode():
+        view = sorted_ids.view(8, -1)
+    assert view._base is None  # what an attribute on the tensor would have needed
+    assert aligned_block(asked.punica, sorted_ids) == 16
+    assert aligned_block(asked.punica, view) == 16
+    assert aligned_block(asked.punica, sorted_ids.clone()) is None
+    assert aligned_block(asked.punica, None) is None
+    for later in (_routing_asked(32 * 8 + 4, block=16), _routing_asked(16 * 32 * 8 + 4)):
+        assert aligned_block(later.punica, later.routing[1]) is None  # vLLM's block
     assert _routing_asked(64).routing[1] is None  # naive
-    assert aligned_block(None) is None
 
 
 def test_the_kernels_get_the_block_the_routing_was_aligned_to() -> None:
@@ -233,13 +244,14 @@ def test_the_kernels_get_the_block_the_routing_was_aligned_to() -> None:
     head = tuple(torch.zeros(1) for _ in range(5))
     eids, ntpp = torch.zeros(8), torch.zeros(8)
     tail = (torch.ones(9), True)
-    for sorted_ids, block in [
-        (_routing_asked(32 * 8 + 4).routing[1].view(8, -1), 16),
-        (_routing_asked(16 * 32 * 8 + 4).routing[1].view(8, -1), 64),
-        (None, 64),
-    ]:
+    sparse, dense, naive = (_routing_asked(p) for p in (32 * 8 + 4, 16 * 32 * 8 + 4, 64))
+    for asked, block in [(sparse, 16), (dense, 64), (naive, 64)]:
         seen.clear()
-        add(object(), *head, sorted_ids, eids, ntpp, 32, 4, shrink, expand, *tail, offset=3)
+        sorted_ids = asked.routing[1]
+        if sorted_ids is not None:
+            with torch.inference_mode():
+                sorted_ids = sorted_ids.view(8, -1)
+        add(asked.punica, *head, sorted_ids, eids, ntpp, 32, 4, shrink, expand, *tail, offset=3)
         ((args, kwargs),) = seen
         assert args[:5] == head and args[5] is sorted_ids and args[6:10] == (eids, ntpp, 32, 4)
         assert args[10] == {"BLOCK_SIZE_M": block, "BLOCK_SIZE_N": 32}
