@@ -51,13 +51,14 @@ def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool)
 
 
 # In the sorted form vLLM pads each (adapter slot, expert) group of pairs to blocks of its MoE
-# config's BLOCK_SIZE_M: 64 from 97 tokens, 128 from 513. Between decode and prefill sizes the
+# config's BLOCK_SIZE_M: by default 64 from 97 tokens, 128 from 513 (a tuned file may differ:
+# vLLM's H200 file for Qwen3-30B-A3B gives 32 at 256 tokens). Between decode and prefill sizes the
 # groups hold a few pairs each, and our kernels multiply mostly padding rows, so the plugin asks
 # for smaller blocks there (`plugin._routing_for_our_kernels`): 16 while the pairs average at
 # most 8 per (slot, expert) over vLLM's slots, 32 up to 16; denser batches keep vLLM's block.
-# H200, 8 slots, our op tuned at each block on the same routing, vLLM's block against 32 and 16
-# (us, gate/up and down):
-#   Qwen3-30B-A3B: 256 tokens (2 pairs per slot-expert, vLLM 64) 106.9 / 104.7 / 87.1 and
+# H200, 8 slots, our op tuned at each block on the same routing, vLLM's default block against 32
+# and 16 (us, gate/up and down):
+#   Qwen3-30B-A3B: 256 tokens (2 pairs per slot-expert, default 64) 106.9 / 104.7 / 87.1 and
 #     61.7 / 56.2 / 51.5; 512 tokens (4, 64) 116.3 / 113.9 / 99.9 and 69.6 / 68.8 / 61.0;
 #     1,024 tokens (8, 128) 166.4 / 121.4 / 108.7 and 100.0 / 73.5 / 71.0; 2,048 tokens (16,
 #     128; down) 114.2 / 97.6 / 103.1 (64: 102.3).

@@ -9,7 +9,7 @@ its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op
 naive form while pairs <= experts x max_loras, up to 1,024 pairs, and in the sorted form in the
 plugin's blocks (the plugin's rules, `moe_lora_configs.serves_naive` and `serves_block_m`).
 Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us,
-with the config the configs file gives that form before a tune).
+with the config the configs file gives that form; see bench_point).
 Times are medians per call in CUDA-graph replay, the graphs replayed in turn
 (`moe_lora_workload.time_interleaved`); "eager" is a plain Python loop of launches. The HBM
 floor is the adapter bytes the call must read once over the device-to-device copy rate measured
@@ -244,8 +244,10 @@ def bench_point(
     if prev is not None and prev.variant != "stock" and prev != cfg:
         timed["prev"] = ours_with(prev, args)
     # Where the plugin's rules give our op another form than vLLM's (naive, or smaller blocks):
-    # our op in vLLM's form too, with the config the file gives that form (before a tune: the one
-    # tuned there), what the plugin served before it changed the form.
+    # our op in vLLM's form too, with the config the file gives that form. The file keys configs
+    # by naive/sorted, not by block: for a block change that is the entry tuned in our block,
+    # except before the re-tune that first tuned it there (55a8de0's rows: the one tuned at
+    # vLLM's block, what the plugin served before).
     if their_args is not args:
         vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
         vllm_form_cfg = lookup(torch.cuda.get_device_name(), vllm_form_key, num_pairs, sms)

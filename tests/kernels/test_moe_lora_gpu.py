@@ -194,6 +194,7 @@ def test_expand_reads_the_output_only_after_the_kernel_before(
 ACT_CASES = {
     "qwen_t16_zipf_none": CASES["qwen_w13_t16_zipf_none"],
     "qwen_t64_bm32": SORTED["qwen_w13_t64_bm32"],
+    "qwen_t256_bm16": SORTED["qwen_w13_t256_bm16"],  # the plugin's block: CHUNK == BLOCK_M
     "gptoss_t200_bm64_skew": SORTED["gptoss_w13_t200_bm64_skew"],
     "t2048_k2_e16_r64_bm128_none": dataclasses.replace(
         Case(2048, 2, 16, 64, 4, "skewed", no_adapter=0.1, k=512, n=200),
@@ -386,7 +387,7 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
     w2_a, w2_b = make_weights(shape, CallSpec.of(shape, "w2"), slots_n, 32, torch.bfloat16, "cuda")
     x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
     x2 = torch.randn(tokens * k, inter, generator=gen).to("cuda", torch.bfloat16)
-    # Base values a tenth of the deltas' size (about 0.1): big enough that a kernel writing the
+    # Base values (std 0.01) a tenth of the deltas (about 0.1): big enough that a kernel writing the
     # delta over them fails, small enough that their bf16 rounding stays under TOL.
     y13 = (torch.randn(tokens, k, 2 * inter, generator=gen) / 100).to("cuda", torch.bfloat16)
     y2 = (torch.randn(tokens, k, hidden, generator=gen) / 100).to("cuda", torch.bfloat16)

@@ -131,11 +131,16 @@ class _Asked:
     naive: bool
     block: int
     routing: tuple
-    punica: object  # the stand-in wrapper the align ran on
+    punica: _Wrapper  # the stand-in wrapper the align ran on
 
 
 def _routing_asked(
-    pairs: int, experts: int = 32, slots: int = 8, block: int = 64, **call: object
+    pairs: int,
+    experts: int = 32,
+    slots: int = 8,
+    block: int = 64,
+    punica: _Wrapper | None = None,
+    **call: object,
 ) -> _Asked:
     """The routing form the wrapped align asks vLLM's for, for a call of `pairs` (token, expert)
     pairs as vLLM's add_lora_w13 makes it with its config's block size `block`, under inference
@@ -155,7 +160,7 @@ def _routing_asked(
     wrapped = _routing_for_our_kernels(vllm_align)
     rank = call.pop("rank", 32)
     assert isinstance(rank, int)
-    wrapper = _Wrapper(bool(call.pop("fully_sharded", False)), rank)
+    wrapper = punica or _Wrapper(bool(call.pop("fully_sharded", False)), rank)
     topk_ids = torch.zeros(pairs // 4, 4, dtype=torch.int32)
     enabled, mapping = torch.ones(9), torch.zeros(pairs // 4)
     kwargs = {"expert_map": None, "naive_block_assignment": False} | call
@@ -223,6 +228,9 @@ def test_the_wrapper_remembers_the_block_of_the_routing_it_aligned() -> None:
     assert aligned_block(asked.punica, None) is None
     for later in (_routing_asked(32 * 8 + 4, block=16), _routing_asked(16 * 32 * 8 + 4)):
         assert aligned_block(later.punica, later.routing[1]) is None  # vLLM's block
+    # The next layer's align on the same wrapper, at vLLM's block, forgets the last one.
+    _routing_asked(16 * 32 * 8 + 4, punica=asked.punica)
+    assert aligned_block(asked.punica, sorted_ids) is None
     assert _routing_asked(64).routing[1] is None  # naive
 
 
@@ -245,7 +253,8 @@ def test_the_kernels_get_the_block_the_routing_was_aligned_to() -> None:
     eids, ntpp = torch.zeros(8), torch.zeros(8)
     tail = (torch.ones(9), True)
     sparse, dense, naive = (_routing_asked(p) for p in (32 * 8 + 4, 16 * 32 * 8 + 4, 64))
-    for asked, block in [(sparse, 16), (dense, 64), (naive, 64)]:
+    other = dataclasses.replace(sparse, routing=(None, torch.zeros(8 * 64)))  # not its routing
+    for asked, block in [(sparse, 16), (dense, 64), (naive, 64), (other, 64)]:
         seen.clear()
         sorted_ids = asked.routing[1]
         if sorted_ids is not None:
