@@ -55,7 +55,8 @@ def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool)
 # vLLM's H200 file for Qwen3-30B-A3B gives 32 at 256 tokens). Between decode and prefill sizes the
 # groups hold a few pairs each, and our kernels multiply mostly padding rows, so the plugin asks
 # for smaller blocks there (`plugin._routing_for_our_kernels`): 16 while the pairs average at
-# most 8 per (slot, expert) over vLLM's slots, 32 up to 16; denser batches keep vLLM's block.
+# most 8 per (slot, expert) over vLLM's slots, 32 up to 16, 64 up to 32; denser batches keep
+# vLLM's block.
 # H200, 8 slots, our op tuned at each block on the same routing, vLLM's default block against 32
 # and 16 (us, gate/up and down):
 #   Qwen3-30B-A3B: 256 tokens (2 pairs per slot-expert, default 64) 106.9 / 104.7 / 87.1 and
@@ -65,9 +66,12 @@ def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool)
 #   GPT-OSS-20B: 128 tokens (2, 64) 58.4 / 59.1 / 56.6 and 36.3 / 33.1 / 32.4; 256 tokens (4,
 #     64) 64.4 / 66.2 / 63.8 and 39.5 / 37.1 / 36.2; 512 tokens (8, 64) 69.8 / 71.3 / 68.7 and
 #     43.4 / 41.3 / 41.0; 1,024 tokens (16, 128; down) 70.9 / 54.1 / 55.3 (64: 55.6).
-# Denser batches (prefill: 200 per slot-expert for Qwen3 at 16 x 1,600 tokens) were not measured
-# at other blocks.
-SMALL_BLOCKS = ((8, 16), (16, 32))  # (most pairs per slot-expert on average, block size)
+# With the configs the file serves (`lookup`), vLLM's block 128 against 64: at 32 pairs per
+# slot-expert (Qwen3 4,096 tokens, GPT-OSS 2,048) gate/up 204.2 / 178.1 and 189.2 / 150.2, down
+# 151.8 / 147.5 and 112.5 / 91.8; at 64 (8,192 and 4,096 tokens) gate/up 266.8 / 265.0 and
+# 245.5 / 227.3, down 235.1 / 241.3 and 147.9 / 139.3, so denser batches keep vLLM's block
+# (prefill: 200 per slot-expert for Qwen3 at 16 x 1,600 tokens).
+SMALL_BLOCKS = ((8, 16), (16, 32), (32, 64))  # (most pairs per slot-expert on average, block)
 
 
 def serves_block_m(num_pairs: int, experts: int, max_loras: int, vllm_block_m: int) -> int:
@@ -107,6 +111,10 @@ class MoeLoraConfig:
     # SiLU-and-mul's naive-form programs are GEMVs whatever this says.)
     gemv_shrink: bool = False
     gemv_expand: bool = False
+    # The sorted form's block (BLOCK_M) the entry was tuned at: `lookup` serves it only to blocks
+    # within BLOCK_M_TOLERANCE of that. None in the naive form, and where it was not recorded
+    # (entries tuned before 98a0c8f, at vLLM's blocks), which serve any block.
+    tuned_block_m: int | None = None
 
     def __post_init__(self) -> None:
         if self.gemv_shrink and (self.variant != "split" or self.fuse_slices):
@@ -190,9 +198,26 @@ def fallback_config(key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConf
     return MoeLoraConfig("split", block_k=block_k, block_n=64, split_k=split)
 
 
-def lookup(gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConfig:
-    """The tuned config nearest to num_pairs for this GPU and shape, else the fallback."""
-    tuned = _load(gpu_name).get(key.text())
+# A config tuned at one sorted block serves blocks up to this factor away. H200, the fused configs
+# tuned at block 16 (Qwen3 at 2,048 pairs, GPT-OSS at 1,024), on 16 pairs per slot-expert: at
+# block 32 Qwen3 down 97.3 us (the best config tuned at 32: 97.6), at block 128 349.9, where the
+# best tuned at 128 took 114.2; GPT-OSS gate/up 84.0 at 32, 272.8 at 128.
+BLOCK_M_TOLERANCE = 2
+
+
+def _serves_block(config: MoeLoraConfig, block_m: int) -> bool:
+    tuned = config.tuned_block_m
+    return tuned is None or max(tuned, block_m) <= BLOCK_M_TOLERANCE * min(tuned, block_m)
+
+
+def lookup(
+    gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int, block_m: int | None = None
+) -> MoeLoraConfig:
+    """The tuned config nearest to num_pairs for this GPU and shape (in the sorted form, among
+    those that serve `block_m`), else the fallback."""
+    tuned = _load(gpu_name).get(key.text(), {})
+    if block_m is not None:
+        tuned = {p: c for p, c in tuned.items() if _serves_block(c, block_m)}
     if not tuned:
         return fallback_config(key, num_pairs, sm_count)
     target = math.log(max(num_pairs, 1))

@@ -178,7 +178,7 @@ def fused_moe_lora(
     gpu, sm_count, pdl_ok = _device_info(x.device)
     if config is None:
         key = ShapeKey(k, n, len(lora_a), rank, num_experts, top_k_num, sorted_form, str(x.dtype))
-        config = lookup(gpu, key, num_pairs, sm_count)
+        config = lookup(gpu, key, num_pairs, sm_count, block_m if sorted_form else None)
     if config.variant == "stock":
         raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
     gemv_flags = [name for name in ("gemv_shrink", "gemv_expand") if getattr(config, name)]

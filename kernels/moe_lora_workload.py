@@ -10,7 +10,7 @@ vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, els
 form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
 With the plugin in, our op also gets the naive form while T * k <= experts * max_loras, up to
 1,024 pairs (`served_naive`, `moe_lora_configs.serves_naive`), and the sorted form in blocks of 16
-or 32 where the pairs are sparse (`served_block_m`, `moe_lora_configs.serves_block_m`).
+to 64 where the pairs are sparse (`served_block_m`, `moe_lora_configs.serves_block_m`).
 
 Timing: each call gets its own routing, adapter rotation, x and output (a "set"), and as many sets
 as it takes for the adapter bytes they touch to exceed four L2s, so repeated replays measure HBM,

@@ -11,6 +11,7 @@ reads. Needs a CUDA GPU; torch and triton only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import torch
@@ -217,7 +218,9 @@ def main() -> None:
                 cands = candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form)
                 best, timings = tune_point(sets, cands, block_m)
                 key = shape_key(shape, spec, args.rank, sorted_form, str(dtype)).text()
-                tuned.setdefault(key, {})[num_pairs] = best
+                tuned.setdefault(key, {})[num_pairs] = (
+                    dataclasses.replace(best, tuned_block_m=block_m) if sorted_form else best
+                )
                 worst = max(timings.values())
                 print(f"{name:14s} {op:3s} T={tokens:6d} best {timings[best]:8.1f} us "
                       f"(worst {worst:8.1f}) {best}", flush=True)  # fmt: skip

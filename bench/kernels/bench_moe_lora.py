@@ -207,19 +207,19 @@ def bench_point(
     key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in their_args]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gpu = torch.cuda.get_device_name()
+    our_block = block_m if sorted_form else None  # what a sorted entry records it was tuned at
     # The config this tree's file gave before this run's tune: timed beside the new one, so the
     # row says what the re-tune changed in the same interleaved run.
-    prev = lookup(torch.cuda.get_device_name(), key, num_pairs, sms) if ns.tune else None
-    if ns.tune:
-        cfg, _ = tune_point(
+    prev = lookup(gpu, key, num_pairs, sms, our_block) if ns.tune else None
+    cfg = lookup(gpu, key, num_pairs, sms, our_block)
+    # With --tune, and where the file says stock (time our best kernel anyway: the row compares
+    # kernels), tune here.
+    if ns.tune or cfg.variant == "stock":
+        best, _ = tune_point(
             args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
         )
-    else:
-        cfg = lookup(torch.cuda.get_device_name(), key, num_pairs, sms)
-        if cfg.variant == "stock":  # time our best kernel anyway: the row compares kernels
-            cfg, _ = tune_point(
-                args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
-            )
+        cfg = dataclasses.replace(best, tuned_block_m=our_block)
     ours = [
         functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m, config=cfg)
         for a in args
@@ -244,13 +244,13 @@ def bench_point(
     if prev is not None and prev.variant != "stock" and prev != cfg:
         timed["prev"] = ours_with(prev, args)
     # Where the plugin's rules give our op another form than vLLM's (naive, or smaller blocks):
-    # our op in vLLM's form too, with the config the file gives that form. The file keys configs
-    # by naive/sorted, not by block: for a block change that is the entry tuned in our block,
-    # except before the re-tune that first tuned it there (55a8de0's rows: the one tuned at
-    # vLLM's block, what the plugin served before).
+    # our op in vLLM's form too, with the config the file gives that form and block (`lookup`:
+    # an entry serves blocks within BLOCK_M_TOLERANCE of its own; in 55a8de0's rows, run before
+    # entries recorded their block, the sorted entries there were tuned at vLLM's block).
     if their_args is not args:
         vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
-        vllm_form_cfg = lookup(torch.cuda.get_device_name(), vllm_form_key, num_pairs, sms)
+        vllm_form_cfg = lookup(gpu, vllm_form_key, num_pairs, sms,
+                               None if vllm_naive else vllm_block)  # fmt: skip
         if vllm_form_cfg.variant != "stock":
             timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args, vllm_block)
     times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
@@ -263,7 +263,7 @@ def bench_point(
     # where vLLM's must win by STOCK_MARGIN_PREFILL: see its comment.
     margin = STOCK_MARGIN_PREFILL if tokens > PREFILL_MIN_TOKENS else 1.0
     if vllm_us * margin < ours_us:
-        served = MoeLoraConfig("stock", cfg.block_k, cfg.block_n)
+        served = MoeLoraConfig("stock", cfg.block_k, cfg.block_n, tuned_block_m=our_block)
     if ns.tune:
         ns.tuned.setdefault(key.text(), {})[num_pairs] = served
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6

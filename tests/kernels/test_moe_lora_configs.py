@@ -30,6 +30,28 @@ def test_partial_tuning_keeps_other_pair_counts(
     assert configs.lookup("Test GPU", other, 8, 132) == split  # another shape: kept
 
 
+def test_a_sorted_entry_serves_blocks_near_the_one_it_was_tuned_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry tuned at block 16 serves blocks 16 and 32, not 64 or 128 (its fused kernel took
+    3x the best there); one whose block was not recorded serves any; with none left, the
+    fallback; the naive form ignores blocks."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    key = ShapeKey(768, 2048, 1, 32, 128, 8, True, "torch.bfloat16")
+    at16 = MoeLoraConfig("fused", 128, 128, tuned_block_m=16)
+    legacy = MoeLoraConfig("split", 64, 128, expand_parts=4, expand_tiles=16)
+    configs.write_configs("Test GPU", {key.text(): {2048: at16, 204800: legacy}})
+    assert configs.lookup("Test GPU", key, 16384, 132, block_m=16) == at16
+    assert configs.lookup("Test GPU", key, 16384, 132, block_m=32) == at16
+    assert configs.lookup("Test GPU", key, 16384, 132, block_m=64) == legacy
+    assert configs.lookup("Test GPU", key, 2048, 132, block_m=128) == legacy
+    assert configs.lookup("Test GPU", key, 2048, 132) == at16  # no block: nearest
+    configs.write_configs("Test GPU", {key.text(): {204800: at16}})
+    assert configs.lookup("Test GPU", key, 2048, 132, block_m=128) == configs.fallback_config(
+        key, 2048, 132
+    )
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

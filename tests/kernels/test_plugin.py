@@ -194,19 +194,21 @@ def test_naive_routing_form_up_to_one_pair_per_slot_expert_on_average() -> None:
     assert not _routing_asked(NAIVE_MAX_PAIRS + 4, experts=256).naive  # sparse, but past the cap
 
 
-def test_sorted_blocks_of_16_then_32_while_the_pairs_are_sparse() -> None:
+def test_sorted_blocks_of_16_32_then_64_while_the_pairs_are_sparse() -> None:
     """In the sorted form the plugin asks for blocks of 16 while the pairs average at most 8
-    per (slot, expert), of 32 up to 16, and leaves denser batches at vLLM's block; it never asks
-    for a larger block than vLLM's config."""
+    per (slot, expert), of 32 up to 16, of 64 up to 32, and leaves denser batches at vLLM's
+    block; it never asks for a larger block than vLLM's config."""
     slot_experts = 32 * 8
     assert _routing_asked(slot_experts + 4).block == 16
     assert _routing_asked(8 * slot_experts).block == 16
     assert _routing_asked(8 * slot_experts + 4).block == 32
     assert _routing_asked(8 * slot_experts + 4, block=128).block == 32
     assert _routing_asked(16 * slot_experts, block=128).block == 32
-    assert _routing_asked(16 * slot_experts + 4, block=128).block == 128
+    assert _routing_asked(16 * slot_experts + 4, block=128).block == 64
+    assert _routing_asked(32 * slot_experts, block=128).block == 64
+    assert _routing_asked(32 * slot_experts + 4, block=128).block == 128
     assert _routing_asked(8 * slot_experts + 4, block=16).block == 16  # vLLM's is smaller
-    assert _routing_asked(16 * slot_experts, block=32).block == 32
+    assert _routing_asked(16 * slot_experts + 4, block=32).block == 32
 
 
 def test_the_wrapper_remembers_the_block_of_the_routing_it_aligned() -> None:
