@@ -209,10 +209,10 @@ def bench_point(
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gpu = torch.cuda.get_device_name()
     our_block = block_m if sorted_form else None  # what a sorted entry records it was tuned at
-    # The config this tree's file gave before this run's tune: timed beside the new one, so the
-    # row says what the re-tune changed in the same interleaved run.
-    prev = lookup(gpu, key, num_pairs, sms, our_block) if ns.tune else None
     cfg = lookup(gpu, key, num_pairs, sms, our_block)
+    # With --tune, the config this tree's file gave before the tune: timed beside the new one,
+    # so the row says what the re-tune changed in the same interleaved run.
+    prev = cfg if ns.tune else None
     # With --tune, and where the file says stock (time our best kernel anyway: the row compares
     # kernels), tune here.
     if ns.tune or cfg.variant == "stock":
@@ -220,10 +220,12 @@ def bench_point(
             args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
         )
         cfg = dataclasses.replace(best, tuned_block_m=our_block)
-    ours = [
-        functools.partial(fused_moe_lora, **a, shrink_block_size_m=block_m, config=cfg)
-        for a in args
-    ]
+
+    def ours_with(config: MoeLoraConfig, sets: list[dict], block: int = block_m) -> list:
+        return [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block,
+                                  config=config) for a in sets]  # fmt: skip
+
+    ours = ours_with(cfg, args)
     # Compared on zeroed outputs, so the error is the delta's, not the base values' rounding.
     before = args[0]["output"].clone()
     their_args[0]["output"].zero_()
@@ -235,11 +237,6 @@ def bench_point(
     got = args[0]["output"].float()
     args[0]["output"].copy_(before)
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-
-    def ours_with(config: MoeLoraConfig, sets: list[dict], block: int = block_m) -> list:
-        return [functools.partial(fused_moe_lora, **a, shrink_block_size_m=block,
-                                  config=config) for a in sets]  # fmt: skip
-
     timed = {"vllm": theirs, "ours": ours}
     if prev is not None and prev.variant != "stock" and prev != cfg:
         timed["prev"] = ours_with(prev, args)
