@@ -39,6 +39,13 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 #   Qwen3 (128 experts): 512 pairs 43.7 / 45.8 and 25.3 / 28.0; 1,024 pairs 78.9 / 81.6 and
 #     42.8 / 45.6; 2,048 pairs (down) 78.2 / 55.5.
 # The cap is the largest batch measured in the naive form.
+# Against the sorted form in the plugin's blocks of 16 (`serves_block_m`; probe at 46a0245, same
+# measure): GPT-OSS 128 pairs 28.0 / 31.1 and 16.0 / 19.0, 256 pairs 44.3 / 42.0 and 24.9 / 25.4;
+# Qwen3 512 pairs 43.5 / 47.0 and 25.6 / 28.1, 1,024 pairs 77.9 / 63.8 and 42.6 / 41.3. At one
+# pair per slot-expert the sorted layer (both calls) is 2% faster for GPT-OSS and 13% for Qwen3,
+# before the align it needs and the naive form skips (vLLM's op: 9.8 us at 512 pairs, 16.4 at
+# 2,048, `plugin.ALIGN_MIN_PAIRS`): GPT-OSS stays ahead naive, Qwen3 would gain about 2%, so the
+# bound stays.
 NAIVE_PAIRS_PER_SLOT_EXPERT = 1
 NAIVE_MAX_PAIRS = 1024
 

@@ -2,20 +2,25 @@
 
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_decode_anatomy.py --commit SHA --out DIR
 
-At the naive-form (decode) points of both model shapes (rank 32, 8 adapters, bf16), in one
-interleaved CUDA-graph replay per point over the kernel bench's cold sets (`moe_lora_workload`):
+At the kernel bench's decode points (1, 4, 16, 64 and 256 tokens) of both model shapes (rank 32,
+8 adapters, bf16), each in the routing form the plugin serves it (`served_naive`,
+`served_block_m`), in one interleaved CUDA-graph replay per point over the kernel bench's cold
+sets (`moe_lora_workload`):
 
-- ours: the op with its tuned config; for gate/up also its shrink alone (expand deferred and
-  dropped) and its expand launched without PDL;
-- the tuner's naive-form candidates with a GEMV kernel (`label` names them: shrink, K ranges,
-  warps, and the GEMV expand's columns), and for gate/up with the GEMV shrink that shrink alone;
+- ours: the op with its tuned config; in the naive form for gate/up also its shrink alone
+  (expand deferred and dropped) and its expand launched without PDL;
+- in the naive form, the tuner's candidates with a GEMV kernel (`label` names them: shrink, K
+  ranges, warps, and the GEMV expand's columns), and for gate/up with the GEMV shrink that
+  shrink alone;
 - read_only: one Triton kernel (under PDL, as ours) that only reads the A and B bytes of every
-  routed pair, 16 programs per pair and slice, each loading its chunk at once;
-- empty: one PDL launch of as many programs that store a word each;
+  routed pair, 16 programs per pair and slice, each loading its chunk at once: the bytes the
+  naive form reads, a (slot, expert) routed twice read twice;
+- read_distinct: the same kernel over each distinct (slot, expert) once: the floor's bytes;
+- empty: one PDL launch of as many programs as read_only's that store a word each;
 - copy_floor: a torch device copy moving the floor's bytes (half read, half written).
 
 The floor is the adapter bytes over the copy rate of a 2 GiB copy, as in bench_moe_lora. Rows
-(machine, commit, config) go to DIR/decode_anatomy_<gpu>.json.
+(machine, commit, config, form) go to DIR/decode_anatomy_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from loraplex.kernels.moe_lora_workload import (
     copy_bandwidth,
     make_sets,
     make_weights,
+    served_block_m,
     served_naive,
     time_interleaved,
 )
@@ -96,14 +102,24 @@ def read_only(args: dict, out: torch.Tensor) -> None:
     )  # fmt: skip
 
 
-def shrink_only(args: dict, config: MoeLoraConfig) -> None:
+def distinct_pairs(args: dict) -> dict:
+    """Naive-form `args` routing each distinct (slot, expert) of `args` once (top-k 1): what
+    `read_only` reads of them is the floor's bytes."""
+    slots = args["token_lora_mapping"].long().repeat_interleave(args["top_k_num"])
+    experts = args["lora_a_stacked"][0].shape[1]
+    keys = torch.unique(slots * experts + args["expert_ids"].long())
+    return dict(args, token_lora_mapping=(keys // experts).to(torch.int32),
+                expert_ids=(keys % experts).to(torch.int32), top_k_num=1)  # fmt: skip
+
+
+def shrink_only(args: dict, config: MoeLoraConfig, block_m: int | None) -> None:
     with defer_gate_up_expand():
-        fused_moe_lora(**args, config=config)
+        fused_moe_lora(**args, shrink_block_size_m=block_m or 16, config=config)
 
 
-def expand_without_pdl(args: dict, config: MoeLoraConfig) -> None:
+def expand_without_pdl(args: dict, config: MoeLoraConfig, block_m: int | None) -> None:
     with defer_gate_up_expand() as deferred:
-        fused_moe_lora(**args, config=config)
+        fused_moe_lora(**args, shrink_block_size_m=block_m or 16, config=config)
     dataclasses.replace(deferred[0], pdl_stream=None).launch()
 
 
@@ -120,28 +136,34 @@ def label(cfg: MoeLoraConfig) -> str:
     return f"{shrink}_s{cfg.split_k}{slices}_w{cfg.num_warps}{expand}"
 
 
-def variants(sets: list[dict], spec: CallSpec, config: MoeLoraConfig, pairs: int,
-             nbytes: int, out: torch.Tensor) -> dict[str, list[Callable[[], None]]]:  # fmt: skip
-    def each(fn: Callable, *extra: object) -> list[Callable[[], None]]:
-        return [functools.partial(fn, a, *extra) for a in sets]
+def variants(sets: list[dict], reads: list[dict], spec: CallSpec, config: MoeLoraConfig,
+             block_m: int | None, nbytes: int,
+             out: torch.Tensor) -> dict[str, list[Callable[[], None]]]:  # fmt: skip
+    """The timed calls of one point: ours in `sets` (the sorted form in blocks of `block_m`, or
+    the naive form where it is None), the reads over `reads` (the same routing, naive form)."""
+
+    def each(fn: Callable, *extra: object, over: list[dict] = sets) -> list[Callable[[], None]]:
+        return [functools.partial(fn, a, *extra) for a in over]
 
     def op(a: dict, cfg: MoeLoraConfig) -> None:
-        fused_moe_lora(**a, config=cfg)
+        fused_moe_lora(**a, shrink_block_size_m=block_m or 16, config=cfg)
 
-    gate_up = spec.slices == 2
     found = {"ours": each(op, config)}
-    if gate_up:
-        found |= {"ours_shrink": each(shrink_only, config),
-                  "ours_expand_no_pdl": each(expand_without_pdl, config)}  # fmt: skip
-    for cfg in candidates(spec.k, pairs, spec.slices, naive=True):
-        if cfg.gemv_shrink or cfg.gemv_expand:
-            found[label(cfg)] = each(op, cfg)
-            if gate_up and cfg.gemv_shrink and not cfg.gemv_expand:
-                found[label(cfg) + "_shrink"] = each(shrink_only, cfg)
+    if spec.slices == 2 and config.variant == "split":  # a fused launch has no expand to defer
+        found |= {"ours_shrink": each(shrink_only, config, block_m),
+                  "ours_expand_no_pdl": each(expand_without_pdl, config, block_m)}  # fmt: skip
+    pairs = reads[0]["expert_ids"].numel()
+    if block_m is None:
+        for cfg in candidates(spec.k, pairs, spec.slices, naive=True):
+            if cfg.gemv_shrink or cfg.gemv_expand:
+                found[label(cfg)] = each(op, cfg)
+                if spec.slices == 2 and cfg.gemv_shrink and not cfg.gemv_expand:
+                    found[label(cfg) + "_shrink"] = each(shrink_only, cfg, None)
     programs = pairs * spec.slices * READ_CHUNKS
     src = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in sets]
     dst = [torch.empty_like(t) for t in src]
-    found["read_only"] = each(read_only, out)
+    found["read_only"] = each(read_only, out, over=reads)
+    found["read_distinct"] = each(read_only, out, over=[distinct_pairs(a) for a in reads])
     found["empty"] = [functools.partial(empty_kernel[(programs,)], out, launch_pdl=True)] * len(
         sets
     )
@@ -153,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ns = parser.parse_args()
     gpu = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -163,26 +186,34 @@ def main() -> None:
         for op in ("w13", "w2"):
             spec = CallSpec.of(shape, op)
             weights = make_weights(shape, spec, 8, 32, torch.bfloat16, "cuda")
-            for tokens in (t for t in (1, 4, 16) if served_naive(shape, t, 8)):
-                made = make_sets(shape, spec, tokens, 8, weights, 16, torch.bfloat16, "cuda",
-                                 naive=True)  # fmt: skip
+            for tokens in ns.batches:
+                naive = served_naive(shape, tokens, 8)
+                block_m = None if naive else served_block_m(shape, tokens, 8)
+                made = make_sets(shape, spec, tokens, 8, weights, block_m or 16, torch.bfloat16,
+                                 "cuda", naive=naive)  # fmt: skip
                 sets, nbytes = [s for s, _ in made], made[0][1]
+                reads = sets if naive else [
+                    s for s, _ in make_sets(shape, spec, tokens, 8, weights, 16, torch.bfloat16,
+                                            "cuda", naive=True)
+                ]  # fmt: skip
                 pairs = tokens * shape.top_k
-                key = shape_key(shape, spec, 32, False, str(torch.bfloat16))
-                config = lookup(gpu, key, pairs, sms)
-                timed = variants(sets, spec, config, pairs, nbytes, out)
+                key = shape_key(shape, spec, 32, not naive, str(torch.bfloat16))
+                config = lookup(gpu, key, pairs, sms, block_m)
+                timed = variants(sets, reads, spec, config, block_m, nbytes, out)
                 times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
                 floor = sum(b for _, b in made) / len(made) / bw * 1e6
-                rows.append({"shape": shape.name, "op": op, "tokens": tokens, "floor_us": floor,
-                             "us": times, "machine": gpu, "commit": ns.commit,
-                             "copy_tb_s": bw / 1e12, "config": config.to_json()})  # fmt: skip
-                best = min(
-                    (t, n) for n, t in times.items() if "gemv" in n and not n.endswith("_shrink")
-                )
-                print(f"{shape.name:14s} {op:3s} M={tokens:3d} floor {floor:5.2f} "
-                      f"ours {times['ours']:6.2f} best gemv {best[0]:6.2f} ({best[1]}) "
-                      f"read_only {times['read_only']:5.2f} copy_floor {times['copy_floor']:5.2f} "
-                      f"empty {times['empty']:4.2f}", flush=True)  # fmt: skip
+                form = "naive" if naive else f"sorted {block_m}"
+                rows.append({"shape": shape.name, "op": op, "tokens": tokens, "form": form,
+                             "floor_us": floor, "us": times, "machine": gpu,
+                             "commit": ns.commit, "copy_tb_s": bw / 1e12,
+                             "config": config.to_json()})  # fmt: skip
+                print(f"{shape.name:14s} {op:3s} M={tokens:3d} {form:9s} floor {floor:6.2f} "
+                      f"ours {times['ours']:6.2f} ({times['ours'] / floor:.2f}x) "
+                      f"read_only {times['read_only']:6.2f} "
+                      f"read_distinct {times['read_distinct']:6.2f} "
+                      f"({times['read_distinct'] / floor:.2f}x) "
+                      f"copy_floor {times['copy_floor']:6.2f} empty {times['empty']:4.2f}",
+                      flush=True)  # fmt: skip
                 print("   ", " ".join(f"{n}={t:.2f}" for n, t in times.items()), flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
     path = ns.out / f"decode_anatomy_{gpu_slug(gpu)}.json"
