@@ -7,8 +7,8 @@ At the kernel bench's decode points (1, 4, 16, 64 and 256 tokens) of both model 
 `served_block_m`), in one interleaved CUDA-graph replay per point over the kernel bench's cold
 sets (`moe_lora_workload`):
 
-- ours: the op with its tuned config; in the naive form for gate/up also its shrink alone
-  (expand deferred and dropped) and its expand launched without PDL;
+- ours: the op with its tuned config; where that is a split gate/up config also its shrink
+  alone (expand deferred and dropped) and its expand launched without PDL;
 - in the naive form, the tuner's candidates with a GEMV kernel (`label` names them: shrink, K
   ranges, warps, and the GEMV expand's columns), and for gate/up with the GEMV shrink that
   shrink alone;
