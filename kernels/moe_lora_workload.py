@@ -188,11 +188,19 @@ def make_sets(
     return [first] + [make(set_index=i) for i in range(1, sets_needed(first[1]))]
 
 
+def distinct_slot_experts(
+    tlm: torch.Tensor, expert_ids: torch.Tensor, top_k: int, experts: int
+) -> torch.Tensor:
+    """slot * experts + expert of every distinct (slot, expert) routed, sorted: pair p is token
+    p // top_k's slot (`tlm`) with expert_ids' p-th expert (naive-form order)."""
+    slots = tlm.long().repeat_interleave(top_k)
+    return torch.unique(slots * experts + expert_ids.reshape(-1).long())
+
+
 def floor_bytes(topk_ids: torch.Tensor, tlm: torch.Tensor, weights: tuple) -> int:
     """Adapter bytes a call must read once: A and B of every distinct (slot, expert) routed."""
     a, b = weights
-    slots = tlm.long().repeat_interleave(topk_ids.shape[1])
-    distinct = torch.unique(slots * a[0].shape[1] + topk_ids.reshape(-1).long()).numel()
+    distinct = distinct_slot_experts(tlm, topk_ids, topk_ids.shape[1], a[0].shape[1]).numel()
     per_pair = sum(t[0, 0].numel() * t.element_size() for t in (*a, *b))
     return distinct * per_pair
 

@@ -42,6 +42,7 @@ from loraplex.kernels.moe_lora_workload import (
     SHAPES,
     CallSpec,
     copy_bandwidth,
+    distinct_slot_experts,
     make_sets,
     make_weights,
     served_block_m,
@@ -104,10 +105,10 @@ def read_only(args: dict, out: torch.Tensor) -> None:
 
 def distinct_pairs(args: dict) -> dict:
     """Naive-form `args` routing each distinct (slot, expert) of `args` once (top-k 1): what
-    `read_only` reads of them is the floor's bytes."""
-    slots = args["token_lora_mapping"].long().repeat_interleave(args["top_k_num"])
+    `read_only` reads of them is the floor's bytes (`floor_bytes`' pairs)."""
     experts = args["lora_a_stacked"][0].shape[1]
-    keys = torch.unique(slots * experts + args["expert_ids"].long())
+    keys = distinct_slot_experts(args["token_lora_mapping"], args["expert_ids"],
+                                 args["top_k_num"], experts)  # fmt: skip
     return dict(args, token_lora_mapping=(keys // experts).to(torch.int32),
                 expert_ids=(keys % experts).to(torch.int32), top_k_num=1)  # fmt: skip
 
