@@ -13,8 +13,9 @@ GPU or shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEM
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -227,9 +228,15 @@ def lookup(
         tuned = {p: c for p, c in tuned.items() if _serves_block(c, block_m)}
     if not tuned:
         return fallback_config(key, num_pairs, sm_count)
-    target = math.log(max(num_pairs, 1))
-    nearest = min(tuned, key=lambda p: abs(math.log(p) - target))
-    return tuned[nearest]
+    return tuned[_log_nearest(tuned, max(num_pairs, 1))]
+
+
+def _log_nearest(entries: Iterable[int], num_pairs: int) -> int:
+    """The entry nearest num_pairs on a log scale, the larger of two equally near. Distances
+    compare exactly, as ratios of integers: compared as float logs, an exact geometric midpoint
+    (2,048 pairs between entries at 1,024 and 4,096) went to whichever side rounding favoured,
+    which differed between the midpoints of one file."""
+    return min(entries, key=lambda p: (Fraction(max(p, num_pairs), min(p, num_pairs)), -p))
 
 
 def write_configs(gpu_name: str, shapes: dict[str, dict[int, MoeLoraConfig]]) -> Path:

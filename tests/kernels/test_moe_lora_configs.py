@@ -104,3 +104,20 @@ def test_gemv_expand_is_a_candidate_of_the_naive_form_only() -> None:
     assert {c.gemv_shrink for c in naive} == {False, True}
     assert {c.block_n for c in naive} == {128, 256}
     assert not any(c.gemv_expand for c in candidates(2048, 32, 2))
+
+
+def test_lookup_takes_the_log_nearest_entry_and_the_larger_at_a_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nearest on a log scale; at an exact geometric midpoint the larger entry, at every
+    midpoint alike (float logs had sent 2,048 between 1,024 and 4,096 up, 16 between 8 and
+    32 down)."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    key = ShapeKey(2880, 2880, 2, 32, 32, 4, True, "torch.bfloat16")
+    small, mid, large = (MoeLoraConfig("split", 128, n) for n in (64, 128, 256))
+    configs.write_configs("Test GPU", {key.text(): {8: small, 32: mid, 1024: small, 4096: large}})
+    assert configs.lookup("Test GPU", key, 15, 132) == small  # nearer 8 than 32 (16 is the middle)
+    assert configs.lookup("Test GPU", key, 16, 132) == mid  # 8 and 32 equally near
+    assert configs.lookup("Test GPU", key, 2047, 132) == small
+    assert configs.lookup("Test GPU", key, 2048, 132) == large  # 1,024 and 4,096 equally near
+    assert configs.lookup("Test GPU", key, 0, 132) == small  # no pairs: as one
