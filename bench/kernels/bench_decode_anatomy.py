@@ -113,14 +113,19 @@ def distinct_pairs(args: dict) -> dict:
                 expert_ids=(keys % experts).to(torch.int32), top_k_num=1)  # fmt: skip
 
 
+def op(args: dict, config: MoeLoraConfig, block_m: int | None) -> None:
+    """Our op on one set: the sorted form in blocks of block_m, or the naive form where None."""
+    fused_moe_lora(**args, shrink_block_size_m=block_m or 16, config=config)
+
+
 def shrink_only(args: dict, config: MoeLoraConfig, block_m: int | None) -> None:
     with defer_gate_up_expand():
-        fused_moe_lora(**args, shrink_block_size_m=block_m or 16, config=config)
+        op(args, config, block_m)
 
 
 def expand_without_pdl(args: dict, config: MoeLoraConfig, block_m: int | None) -> None:
     with defer_gate_up_expand() as deferred:
-        fused_moe_lora(**args, shrink_block_size_m=block_m or 16, config=config)
+        op(args, config, block_m)
     dataclasses.replace(deferred[0], pdl_stream=None).launch()
 
 
@@ -146,10 +151,7 @@ def variants(sets: list[dict], reads: list[dict], spec: CallSpec, config: MoeLor
     def each(fn: Callable, *extra: object, over: list[dict] = sets) -> list[Callable[[], None]]:
         return [functools.partial(fn, a, *extra) for a in over]
 
-    def op(a: dict, cfg: MoeLoraConfig) -> None:
-        fused_moe_lora(**a, shrink_block_size_m=block_m or 16, config=cfg)
-
-    found = {"ours": each(op, config)}
+    found = {"ours": each(op, config, block_m)}
     if spec.slices == 2 and config.variant == "split":  # a fused launch has no expand to defer
         found |= {"ours_shrink": each(shrink_only, config, block_m),
                   "ours_expand_no_pdl": each(expand_without_pdl, config, block_m)}  # fmt: skip
@@ -157,7 +159,7 @@ def variants(sets: list[dict], reads: list[dict], spec: CallSpec, config: MoeLor
     if block_m is None:
         for cfg in candidates(spec.k, pairs, spec.slices, naive=True):
             if cfg.gemv_shrink or cfg.gemv_expand:
-                found[label(cfg)] = each(op, cfg)
+                found[label(cfg)] = each(op, cfg, None)
                 if spec.slices == 2 and cfg.gemv_shrink and not cfg.gemv_expand:
                     found[label(cfg) + "_shrink"] = each(shrink_only, cfg, None)
     programs = pairs * spec.slices * READ_CHUNKS
