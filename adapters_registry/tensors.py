@@ -62,24 +62,49 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise HeaderError(f"{path.name}: header is not a JSON object")
     data_size = file_size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        tensors[name] = _check_entry(path.name, name, meta, data_size)
+        tensors[name], begin, end = _check_entry(path.name, name, meta, data_size)
+        spans.append((begin, end, name))
+    _check_layout(path.name, spans, data_size)
     return tensors
 
 
-def _check_entry(file: str, name: str, meta: object, data_size: int) -> TensorInfo:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a dimension
+
+
+def _check_layout(file: str, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors must tile the data exactly, in offset order, as the safetensors library
+    requires when vLLM loads the file: a gap, an overlap or trailing bytes pass the per-tensor
+    bounds check but fail the load."""
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else "leaves a gap before it"
+            raise HeaderError(
+                f"{file}: tensor `{name}` starts at data byte {begin}, expected {at}: it {what}"
+            )
+        at = end
+    if at != data_size:
+        raise HeaderError(
+            f"{file}: its tensors end at data byte {at} but the file holds {data_size} data "
+            "bytes (trailing bytes)"
+        )
+
+
+def _check_entry(file: str, name: str, meta: object, data_size: int) -> tuple[TensorInfo, int, int]:
+    """The tensor's info and its byte range [begin, end) in the data."""
     if not isinstance(meta, dict):
         raise HeaderError(f"{file}: entry for tensor `{name}` is not an object")
     dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
     if dtype not in DTYPE_BYTES:
         raise HeaderError(f"{file}: tensor `{name}` has unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
         raise HeaderError(f"{file}: tensor `{name}` has invalid shape {shape!r}")
-    if not (
-        isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-    ):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
         raise HeaderError(f"{file}: tensor `{name}` has invalid data_offsets {offsets!r}")
     begin, end = offsets
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
@@ -93,4 +118,4 @@ def _check_entry(file: str, name: str, meta: object, data_size: int) -> TensorIn
             f"{file} is truncated: tensor `{name}` ends at data byte {end} but the file holds "
             f"{data_size} data bytes"
         )
-    return TensorInfo(name, dtype, tuple(shape))
+    return TensorInfo(name, dtype, tuple(shape)), begin, end

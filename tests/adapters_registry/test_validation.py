@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import safetensors
 from registry_builders import (
     EXPERTS,
     adapter_config,
@@ -139,6 +142,48 @@ def test_header_longer_than_file(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", 10_000) + b"{}")
     with pytest.raises(HeaderError, match="truncated"):
         read_header(path)
+
+
+def raw_safetensors(path: Path, header: dict, data_bytes: int) -> Path:
+    """A safetensors file with this header, byte for byte, and `data_bytes` zero bytes of data."""
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data_bytes))
+    return path
+
+
+def f16(shape: list[int], begin: int) -> dict:
+    size = 2 * math.prod(shape)
+    return {"dtype": "F16", "shape": shape, "data_offsets": [begin, begin + size]}
+
+
+@pytest.mark.parametrize(
+    ("header", "data_bytes", "match"),
+    [
+        ({"a": f16([2, 2], 0), "b": f16([2, 2], 12)}, 20, "gap"),
+        ({"a": f16([2, 2], 0), "b": f16([2, 2], 4)}, 12, "overlaps"),
+        ({"a": f16([2, 2], 0)}, 9, "trailing bytes"),
+        ({"a": {"dtype": "F16", "shape": [True, 2], "data_offsets": [0, 4]}}, 4, "shape"),
+    ],
+    ids=["gap", "overlap", "trailing", "bool-dimension"],
+)
+def test_tensors_must_tile_the_data_as_safetensors_requires(
+    tmp_path: Path, header: dict, data_bytes: int, match: str
+) -> None:
+    # Each passes a per-tensor bounds check, and each the safetensors library refuses at load.
+    path = raw_safetensors(tmp_path / "x.safetensors", header, data_bytes)
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.safe_open(str(path), "np")
+    with pytest.raises(HeaderError, match=match):
+        read_header(path)
+
+
+def test_trailing_bytes_after_a_valid_adapter_are_refused(
+    tmp_path: Path, dense: BaseModelSpec
+) -> None:
+    folder = write_adapter(tmp_path / "a")
+    with (folder / "adapter_model.safetensors").open("ab") as f:
+        f.write(bytes(1000))
+    assert "trailing" in refused(folder, dense, "bad_safetensors").message
 
 
 def test_garbage_instead_of_safetensors(tmp_path: Path, dense: BaseModelSpec) -> None:
