@@ -156,6 +156,25 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names each field and its bound."""
 
 
+# Fields whose values a config error never repeats: the CLI prints the error, and logs keep it.
+SECRET_FIELDS = frozenset({"api_keys", "admin_token"})
+
+
+def _holds_a_section(value: object) -> bool:
+    if isinstance(value, dict):
+        return True
+    return isinstance(value, list | tuple) and any(_holds_a_section(v) for v in value)
+
+
+def _got(err: Any) -> str:
+    """' (got <value>)' for the error's input, except for a secret field's value, or a whole
+    section (a model-level check's input, such as `tenancy` with every tenant's keys)."""
+    value = err.get("input")
+    if SECRET_FIELDS & {str(p) for p in err["loc"]} or _holds_a_section(value):
+        return ""
+    return f" (got {value!r})"
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Build and validate the settings, turning pydantic's report into one readable error."""
     try:
@@ -164,5 +183,5 @@ def load_settings(**overrides: Any) -> Settings:
         lines = []
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"]) or "settings"
-            lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"{field}: {err['msg']}{_got(err)}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from e

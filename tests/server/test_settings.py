@@ -28,6 +28,31 @@ def test_bound_violation_names_field_and_bound() -> None:
     assert "engine.max_lora_rank" in message and "greater than or equal to 1" in message
 
 
+@pytest.mark.parametrize(
+    ("tenancy", "named"),
+    [
+        ({"tenants": [{"id": "a", "api_keys": ["short-secret"]}]}, "at least 16 characters"),
+        (
+            {"tenants": [{"id": "a", "api_keys": ["shared-secret-0123456789"]},
+                         {"id": "b", "api_keys": ["shared-secret-0123456789"]}]},
+            "the same api key is given to two tenants",
+        ),
+    ],
+    ids=["short-key", "key-given-twice"],
+)  # fmt: skip
+def test_config_errors_never_print_api_keys(tenancy: dict, named: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(tenancy=tenancy)
+    message = str(e.value)
+    assert named in message and "secret" not in message
+
+
+def test_config_errors_never_print_the_admin_token() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(http={"admin_token": ["not-a-string-secret"]})
+    assert "http.admin_token" in str(e.value) and "secret" not in str(e.value)
+
+
 def test_environment_variables_fill_nested_sections(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_ENGINE__MAX_LORAS", "3")
     monkeypatch.setenv("LORAPLEX_HTTP__PORT", "9001")
