@@ -76,8 +76,9 @@ def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
         raise invalid(
             "bad_config", f"{CONFIG_FILE}: rank_pattern must be an object", "rank_pattern"
         )
+    _check_patterns(pattern, "rank_pattern")
     for key, value in pattern.items():
-        if not isinstance(value, int) or value < 1 or value > max_lora_rank:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_lora_rank:
             raise invalid(
                 "rank",
                 f"rank_pattern[{key!r}]={value!r} must be an integer in 1..{max_lora_rank} "
@@ -85,6 +86,44 @@ def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
                 "rank_pattern",
             )
     return {"": r, **pattern}
+
+
+def _check_alpha(config: dict[str, Any]) -> None:
+    """vLLM requires lora_alpha and scales by it (alpha / r): a number, as alpha_pattern's are."""
+    alpha = config.get("lora_alpha")
+    if not _is_number(alpha):
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}",
+            "lora_alpha",
+        )  # fmt: skip
+    pattern = config.get("alpha_pattern") or {}
+    if not isinstance(pattern, dict) or not all(_is_number(v) for v in pattern.values()):
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: alpha_pattern must map patterns to numbers",
+            "alpha_pattern",
+        )  # fmt: skip
+    _check_patterns(pattern, "alpha_pattern")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_patterns(patterns: dict[str, Any], param: str) -> None:
+    """Each key is a regex that vLLM (and `rank_for`) match against module names."""
+    for key in patterns:
+        _compile(key, f"{param} key", param)
+
+
+def _compile(pattern: object, what: str, param: str) -> re.Pattern[str]:
+    if not isinstance(pattern, str):
+        raise invalid("bad_config", f"{CONFIG_FILE}: {what} {pattern!r} is not a string", param)
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: {what} {pattern!r} is not a valid regex: {e}", param
+        ) from e
 
 
 def rank_for(ranks: dict[str, int], module: str) -> int:
@@ -96,9 +135,12 @@ def rank_for(ranks: dict[str, int], module: str) -> int:
 
 
 def _check_targets(config: dict[str, Any], spec: BaseModelSpec) -> None:
-    targets = config.get("target_modules")
+    if "target_modules" not in config:  # vLLM requires the key (PEFT writes null for none)
+        raise invalid("bad_config", f"{CONFIG_FILE}: target_modules is missing", "target_modules")
+    targets = config["target_modules"]
     if isinstance(targets, str):
-        if targets != "all-linear" and not any(re.fullmatch(targets, m) for m in spec.linear):
+        regex = _compile(targets, "target_modules regex", "target_modules")
+        if targets != "all-linear" and not any(regex.fullmatch(m) for m in spec.linear):
             raise invalid(
                 "target_modules",
                 f"target_modules regex {targets!r} matches no linear module of {spec.name}",
@@ -138,5 +180,6 @@ def check_config(folder: Path, spec: BaseModelSpec, max_lora_rank: int) -> dict[
         )  # fmt: skip
     _check_features(config)
     ranks = _check_rank(config, max_lora_rank)
+    _check_alpha(config)
     _check_targets(config, spec)
     return ranks

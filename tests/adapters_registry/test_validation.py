@@ -122,6 +122,35 @@ def test_refused_features_are_named(
     assert refused(folder, dense, reason).param == field
 
 
+@pytest.mark.parametrize(
+    ("change", "param", "named"),
+    [
+        ({"lora_alpha": None}, "lora_alpha", "lora_alpha must be a number"),
+        ({"lora_alpha": "16"}, "lora_alpha", "lora_alpha must be a number"),
+        ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern", "map patterns to numbers"),
+        ({"target_modules": None}, "target_modules", "target_modules is missing"),
+        ({"target_modules": "(q_proj"}, "target_modules", "not a valid regex"),
+        ({"rank_pattern": {"(q_proj": 4}}, "rank_pattern", "not a valid regex"),
+        ({"alpha_pattern": {"[": 8}}, "alpha_pattern", "not a valid regex"),
+    ],
+    ids=["no-alpha", "alpha-string", "alpha-pattern-value", "no-target-modules",
+         "target-regex", "rank-pattern-regex", "alpha-pattern-regex"],
+)  # fmt: skip
+def test_configs_vllm_refuses_at_load_are_refused_at_registration(
+    tmp_path: Path, dense: BaseModelSpec, change: dict, param: str, named: str
+) -> None:
+    # vLLM's PEFTHelper requires r, lora_alpha and the target_modules key, and compiles the
+    # patterns: each of these registered, then failed every request's load.
+    config = adapter_config()
+    for key, value in change.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    err = refused(write_adapter(tmp_path / "a", config), dense, "bad_config")
+    assert err.param == param and named in err.message
+
+
 def test_dora_magnitude_tensor_is_refused(tmp_path: Path, dense: BaseModelSpec) -> None:
     tensors = dense_tensors()
     tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = np.ones(
