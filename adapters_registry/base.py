@@ -84,3 +84,7 @@ class AdapterSource(Protocol):
     def names(self) -> list[str]:
         """Names of every adapter that can currently be served (no side effects)."""
         ...
+
+    def resolve(self, name: str) -> object:
+        """Raises AdapterNotFound if `name` names no adapter (no side effects; cheap)."""
+        ...

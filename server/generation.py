@@ -1,8 +1,14 @@
 """One completion request from parsed body to response: the steps of the README's lifecycle.
 
-check access -> tokenize, check context, build sampling params (every 400 before any work) ->
-admit (tenant quotas, bounded fair queue) -> lease the adapter (a cold one is fetched and loaded)
--> wait for the fair engine slot and stream deltas -> whole JSON or SSE chunks.
+check access and that the adapter exists -> tokenize, check context, build sampling params
+(every 400 before any work) -> admit (tenant quotas, bounded fair queue) -> wait for the fair
+engine slot -> lease the adapter (a cold one is fetched and loaded) and stream deltas -> whole
+JSON or SSE chunks.
+
+The lease comes after the queue wait: a queued request that held a lease would keep its adapter
+in the engine's CPU cache, and once the requests holding the engine slots all wait for a cache
+slot, nobody moves again (two engine slots, two cache slots: two running requests for a cold
+adapter wait on two queued ones for cached adapters, which wait for the engine slots).
 
 The engine request is aborted if the client goes away. Streaming: `_ClosingStream` closes the
 body iterator whatever ends the response (Starlette cancels it on disconnect but never closes a
@@ -24,11 +30,16 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loraplex.adapters_registry.base import AdapterNotFound, AdapterSource, ServableAdapter
+from loraplex.adapters_registry.base import (
+    AdapterError,
+    AdapterNotFound,
+    AdapterSource,
+    ServableAdapter,
+)
 from loraplex.server.access_log import record_of
 from loraplex.server.engine.client import EngineClient, as_invalid_request
 from loraplex.server.engine.sampling import to_sampling_params
-from loraplex.server.errors import ApiError, ModelNotFound, error_body
+from loraplex.server.errors import ApiError, ModelNotFound, as_api_error, error_body
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.responses import (
@@ -67,7 +78,6 @@ class Prepared:
     meta: ResponseMeta
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: ServableAdapter | None = None  # set by `complete` once leased
     admitted: Admitted = field(init=False)  # set by `complete` once tenancy admits the request
 
 
@@ -111,20 +121,46 @@ def _append_logprobs(
 async def _deltas(
     gw: Gateway, body: Any, prep: Prepared, choices: dict[int, ChoiceState]
 ) -> AsyncGenerator[tuple[ChoiceState, str, Any], None]:
-    """(choice, new text, new logprobs) for each delta of each choice, in engine order."""
-    stream = prep.admitted.generate(
-        gw.engine, prep.prompt_ids, prep.params, prep.adapter, prep.meta.id
-    )
-    async with aclosing(stream):
-        async for output in stream:
-            for out in output.outputs:
-                state = choices.setdefault(out.index, ChoiceState(out.index))
-                token_ids = list(out.token_ids)
-                state.token_count += len(token_ids)
-                logprobs = _append_logprobs(gw, body, state, token_ids, out.logprobs)
-                state.text += out.text
-                state.finish_reason = finish_reason(out.finish_reason)
-                yield state, out.text, logprobs
+    """(choice, new text, new logprobs) for each delta of each choice, in engine order: once the
+    fair engine slot is granted, under a lease of the adapter (the module docstring says why in
+    this order)."""
+    await prep.admitted.turn()
+    async with AsyncExitStack() as stack:
+        adapter = None
+        if body.model != gw.base_model:
+            adapter = await _lease(stack, gw, body.model)
+        stream = prep.admitted.generate(
+            gw.engine, prep.prompt_ids, prep.params, adapter, prep.meta.id
+        )
+        async with aclosing(stream):
+            async for delta in _choice_deltas(gw, body, stream, choices):
+                yield delta
+
+
+async def _lease(stack: AsyncExitStack, gw: Gateway, model: str) -> ServableAdapter:
+    """The adapter, held until `stack` closes; its errors as the client sees them (an adapter
+    unregistered since `complete` checked it is not found)."""
+    try:
+        return await stack.enter_async_context(gw.adapters.lease(model))
+    except AdapterNotFound as e:
+        raise ModelNotFound(model) from e
+    except AdapterError as e:
+        raise as_api_error(e) from e
+
+
+async def _choice_deltas(
+    gw: Gateway, body: Any, stream: AsyncIterator[Any], choices: dict[int, ChoiceState]
+) -> AsyncGenerator[tuple[ChoiceState, str, Any], None]:
+    """The engine's outputs as per-choice deltas, accumulated into `choices`."""
+    async for output in stream:
+        for out in output.outputs:
+            state = choices.setdefault(out.index, ChoiceState(out.index))
+            token_ids = list(out.token_ids)
+            state.token_count += len(token_ids)
+            logprobs = _append_logprobs(gw, body, state, token_ids, out.logprobs)
+            state.text += out.text
+            state.finish_reason = finish_reason(out.finish_reason)
+            yield state, out.text, logprobs
 
 
 async def _collect(gw: Gateway, body: Any, prep: Prepared) -> dict[str, Any]:
@@ -219,8 +255,13 @@ async def complete(
 ) -> Response:
     """Serve one chat or text completion, whole or streamed."""
     is_adapter = body.model != gw.base_model
-    if is_adapter and not tenant.may_use(body.model):  # another tenant's: exactly "not found"
-        raise ModelNotFound(body.model)
+    if is_adapter:
+        if not tenant.may_use(body.model):  # another tenant's: exactly "not found"
+            raise ModelNotFound(body.model)
+        try:  # before admission: a request for no adapter costs no quota
+            gw.adapters.resolve(body.model)
+        except AdapterNotFound as e:
+            raise ModelNotFound(body.model) from e
     prep = _prepare(gw, body)
     stack = AsyncExitStack()
     try:
@@ -235,13 +276,9 @@ async def complete(
             max_tokens=prep.params.max_tokens or 0,
         )
         stack.callback(prep.admitted.close)
-        if is_adapter:
-            try:
-                prep.adapter = await stack.enter_async_context(gw.adapters.lease(body.model))
-            except AdapterNotFound as e:
-                raise ModelNotFound(body.model) from e
         if body.stream:
-            # From here the response owns the lease and the queue slot; it releases both.
+            # From here the response owns the queue slot (and the lease it takes); it releases
+            # both.
             return _ClosingStream(_stream(request, gw, body, prep), stack.pop_all())
         result = await _collect_unless_disconnected(request, gw, body, prep)
         if result is None:  # the client left; nobody reads this, the access log does

@@ -2,9 +2,9 @@
 
 Per request, in order: `authenticate` (401), then the route checks `tenant.may_use(model)` (404
 exactly like an unknown model), then `admit` (429 quota / 503 queue full, before any response
-byte), then `Admitted.generate` waits for the fair engine slot inside the response and streams the
-engine's outputs, counting tokens into the request's record. Closing frees the slot and charges
-the tenant's token quota.
+byte), then `Admitted.turn` waits for the fair engine slot inside the response (the gateway leases
+the adapter only then), and `Admitted.generate` streams the engine's outputs, counting tokens into
+the request's record. Closing frees the slot and charges the tenant's token quota.
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ class Admitted:
     def __init__(self, entry: Entry, record: RequestRecord | None) -> None:
         self._entry = entry
         self._record = record
+        self._granted = False
+
+    async def turn(self) -> None:
+        """Wait for the fair engine slot (at once if already granted). Cancelled while waiting
+        (client gone), the request leaves the queue and never reaches the engine."""
+        if self._granted:
+            return
+        queued_s = await self._entry.wait()
+        self._granted = True
+        if self._record is not None:
+            self._record.queued_s = queued_s
 
     async def generate(
         self,
@@ -49,15 +60,9 @@ class Admitted:
         adapter: ServableAdapter | None,
         request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Wait for the fair engine slot, then stream the engine's outputs.
-
-        Cancelled while waiting (client gone), the request leaves the queue and never reaches
-        the engine.
-        """
-        queued_s = await self._entry.wait()
+        """Wait for the fair engine slot (`turn`), then stream the engine's outputs."""
+        await self.turn()
         record = self._record
-        if record is not None:
-            record.queued_s = queued_s
         stream = engine.generate(
             prompt_token_ids, params, adapter, request_id, priority=self._entry.engine_priority
         )

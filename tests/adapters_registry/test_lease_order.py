@@ -1,0 +1,104 @@
+"""The gateway leases a request's adapter only once the request has its fair engine slot.
+
+Real: `generation.complete`, tenancy's admission and fair queue, `EngineClient`, the registry
+(moto S3, disk cache, tiers). Fake: vLLM's generate (three delta outputs, slow enough to overlap)
+and LoRA control, as in the registry's other tests; this is a test of the order of the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from registry_fake_engine import FakeEngine
+from registry_rig import Rig
+
+from loraplex.server.engine.client import EngineClient
+from loraplex.server.generation import Gateway, complete
+from loraplex.server.metrics import GatewayMetrics
+from loraplex.server.protocol import CompletionRequest
+from loraplex.server.tenancy.directory import TenantDirectory
+from loraplex.server.tenancy.service import Tenancy
+from loraplex.server.tenancy.settings import TenancySettings
+
+pytestmark = pytest.mark.anyio
+STEP_S = 0.1  # between a fake request's outputs
+
+
+class SlowGenerate:
+    """AsyncLLM's generate and abort as `EngineClient` calls them: three outputs, STEP_S apart."""
+
+    errored = False
+
+    def __init__(self, fill: int) -> None:
+        self.running = 0
+        self.filled = asyncio.Event()  # set once `fill` requests generate at once
+        self._fill = fill
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **_: Any) -> Any:
+        self.running += 1
+        if self.running >= self._fill:
+            self.filled.set()
+        try:
+            for i in range(3):
+                await asyncio.sleep(STEP_S)
+                out = types.SimpleNamespace(
+                    index=0, token_ids=[5], text="x", logprobs=None,
+                    finish_reason="length" if i == 2 else None,
+                )  # fmt: skip
+                yield types.SimpleNamespace(finished=i == 2, outputs=[out])
+        finally:
+            self.running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+class Tokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1, 2, 3]
+
+
+class Request:
+    """What `complete` reads of Starlette's request: a client that never disconnects."""
+
+    def __init__(self) -> None:
+        self.scope: dict[str, Any] = {}
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+
+async def test_queued_requests_hold_no_adapter_so_cold_adapters_cannot_deadlock(rig: Rig) -> None:
+    # The rig's registry has 3 CPU cache slots; the engine gets 3 slots too. Three requests fill
+    # both with a0..a2; then three for the cold a3 queue, then one more each for a0..a2. Leasing
+    # at admission, the queued a0..a2 requests held the three cache slots while the a3 requests,
+    # granted the engine slots first, waited for a cache slot: nothing moved again.
+    registry = await rig.registry("cache", FakeEngine())
+    for i in range(4):
+        await registry.register(f"a{i}", rig.source(f"a{i}", seed=i))
+    engine = SlowGenerate(fill=3)
+    settings = TenancySettings(max_running=3, max_queued=100)
+    directory = TenantDirectory(settings, None, None)
+    tenancy = Tenancy(settings, directory, GatewayMetrics(CollectorRegistry(), 0))
+    gateway = Gateway(EngineClient(engine, Tokenizer(), 2048), registry, "base", tenancy)
+    tenant = directory.authenticate(None)
+
+    def request(model: str) -> asyncio.Task:
+        body = CompletionRequest(model=model, prompt="hi", max_tokens=3)
+        return asyncio.create_task(complete(Request(), gateway, body, tenant))  # type: ignore[arg-type]
+
+    first = [request(f"a{i}") for i in range(3)]
+    await asyncio.wait_for(engine.filled.wait(), 10)  # all three loaded and generating
+    cold = [request("a3") for _ in range(3)]
+    await asyncio.sleep(STEP_S / 4)
+    again = [request(f"a{i}") for i in range(3)]
+    done, pending = await asyncio.wait(first + cold + again, timeout=15)
+    for task in pending:
+        task.cancel()
+    assert not pending, f"{len(pending)} of 9 requests never finished"
+    assert all(t.result().status_code == 200 for t in done)
