@@ -14,7 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loraplex.adapters_registry.base import AdapterConflict, AdapterInvalid, AdapterUnavailable
+from loraplex.adapters_registry.base import (
+    AdapterConflict,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterUnavailable,
+)
 from loraplex.adapters_registry.catalog import Catalog, VersionRecord
 from loraplex.adapters_registry.disk_cache import CacheError, digest_folder
 from loraplex.adapters_registry.names import check_name
@@ -77,9 +82,12 @@ class ManagedRegistry(AdapterRegistry):
     async def register(
         self, name: str, source: str, *, warm: bool = False, pinned: bool = False
     ) -> AdapterInfo:
-        """Fetch, validate, publish and register `source` as the current version of `name`."""
+        """Fetch, validate, publish and register `source` as the current version of `name`;
+        with `pinned`, then pin it (`set_pinned`: on the engine first, then in the catalog).
+        A pin refused then (another pin took the last slot meanwhile) is a 409 that says the
+        registration stands."""
         check_name(name)
-        if pinned and len(self.tiers.pinned_ids()) >= self.tiers.max_pinned:
+        if pinned and len(self._pins_besides(name)) >= self.tiers.max_pinned:
             raise AdapterConflict(
                 f"cannot pin `{name}`: {self.tiers.max_pinned} adapters are pinned already "
                 "(the limit is engine.max_loras - 1)",
@@ -111,18 +119,34 @@ class ManagedRegistry(AdapterRegistry):
                     name, version, self.catalog.next_engine_id(), checked.rank, files,
                     self.spec.name, source, time.time(),
                 )  # fmt: skip
-                return Catalog.register_event(record, pinned or bool(entry and entry.pinned))
+                # A new version of a pinned name inherits the pin (on every replica).
+                return Catalog.register_event(record, bool(entry and entry.pinned))
             if entry is None or entry.version != version:
                 return Catalog.event("move", name, version=version)
-            if pinned and not entry.pinned:
-                return Catalog.event("pin", name, pinned=True)
             return None
 
         await self._append(plan)
         if warm and not pinned:
             await self.warm(self.resolve(name))
         await self._reconcile()
+        if pinned:
+            try:
+                return await self.set_pinned(name, True)
+            except AdapterConflict as e:
+                raise AdapterConflict(
+                    f"`{name}` is registered (version {version}) but not pinned: {e.message}",
+                    param="pinned",
+                ) from e
         return self.info(name)
+
+    def _pins_besides(self, name: str) -> set[int]:
+        """Engine ids pinned on this replica other than `name`'s current version's, whose pin
+        a new version takes over."""
+        try:
+            own = {self.resolve(name).engine_id}
+        except AdapterNotFound:
+            own = set()
+        return self.tiers.pinned_ids() - own
 
     async def set_pinned(self, name: str, pinned: bool) -> AdapterInfo:
         record = self.resolve(check_name(name))

@@ -4,7 +4,10 @@ The registry, not vLLM's LRU, decides what the engine holds: at most `max_cpu` a
 at once (vLLM's `max_cpu_loras`), so vLLM never evicts on its own and this view always matches
 `list_loras()`. To make room the least recently used adapter with no request in flight and no pin
 is removed; when every slot is busy, a load waits for a request to finish. Pins stay below
-`max_loras` (vLLM needs a free GPU slot for unpinned adapters).
+`max_loras` (vLLM needs a free GPU slot for unpinned adapters): pins and unpins take turns, so two
+at once cannot both pass the limit check. An adapter leaves the engine only with no request in
+flight on it: vLLM would load a removed adapter back by itself for a running request, behind
+this view's back.
 
 All methods run on the event loop; `add_lora` awaits the engine.
 """
@@ -46,6 +49,7 @@ class EngineTiers:
         self._metrics = metrics
         self._slots: dict[int, _Slot] = {}
         self._changed = asyncio.Condition()
+        self._pinning = asyncio.Lock()
 
     # ---- views ----
 
@@ -99,8 +103,13 @@ class EngineTiers:
     # ---- loading and eviction ----
 
     async def load(self, adapter: ServableAdapter, size: int) -> None:
-        """Add `adapter` to the engine's CPU cache, evicting or waiting for room. Idempotent."""
+        """Add `adapter` to the engine's CPU cache, evicting or waiting for room. Idempotent;
+        while the adapter is being added back by `unpin`, waits for that to end."""
         if adapter.engine_id in self._slots:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: self.tier(adapter.engine_id) is not EngineTier.LOADING
+                )
             return
         async with self._changed:
             while len(self._slots) >= self._max_cpu:
@@ -123,6 +132,8 @@ class EngineTiers:
         self._metrics.loads.labels("cpu").inc()
         self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - start)
         self._publish()
+        async with self._changed:
+            self._changed.notify_all()
 
     def _victim(self) -> int | None:
         idle = [
@@ -140,7 +151,10 @@ class EngineTiers:
 
     async def pin(self, engine_id: int) -> None:
         """Pin a loaded adapter to a GPU slot. Raises AdapterConflict past the pin limit."""
-        slot = self._slots[engine_id]
+        async with self._pinning:
+            await self._pin(self._slots[engine_id])
+
+    async def _pin(self, slot: _Slot) -> None:
         if slot.tier is EngineTier.GPU:
             return
         if len(self.pinned_ids()) >= self._max_pinned:
@@ -150,27 +164,37 @@ class EngineTiers:
                 "(one GPU slot stays free)",
                 param="pinned",
             )
-        await self._engine.pin_lora(engine_id)
+        await self._engine.pin_lora(slot.adapter.engine_id)
         slot.tier = EngineTier.GPU
         self._metrics.loads.labels("gpu").inc()
         self._publish()
 
-    async def unpin(self, engine_id: int) -> None:
-        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache."""
-        slot = self._slots.get(engine_id)
-        if slot is None or slot.tier is not EngineTier.GPU:
-            return
-        await self._engine.remove_lora(engine_id)
-        slot.tier = EngineTier.LOADING
-        try:
-            await self._engine.add_lora(slot.adapter)
-        except BaseException:
-            del self._slots[engine_id]  # back to disk only; the next request loads it again
-            self._publish()
-            raise
-        slot.tier = EngineTier.CPU
-        self._metrics.evictions.labels("gpu").inc()
-        self._publish()
+    async def unpin(self, engine_id: int) -> bool:
+        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache.
+        False, and still pinned, while requests are in flight on it: the caller tries again
+        (the registry at its next reconcile)."""
+        async with self._pinning:
+            slot = self._slots.get(engine_id)
+            if slot is None or slot.tier is not EngineTier.GPU:
+                return True
+            if slot.leases:
+                return False
+            # From here no lease can be taken (LOADING), and a load of it waits for the end.
+            slot.tier = EngineTier.LOADING
+            try:
+                await self._engine.remove_lora(engine_id)
+                await self._engine.add_lora(slot.adapter)
+            except BaseException:
+                del self._slots[engine_id]  # back to disk only; the next request loads it again
+                raise
+            else:
+                slot.tier = EngineTier.CPU
+                self._metrics.evictions.labels("gpu").inc()
+            finally:
+                self._publish()
+                async with self._changed:
+                    self._changed.notify_all()
+            return True
 
     async def evict(self, engine_id: int, drain_s: float) -> bool:
         """Remove from the engine once no request holds it (waiting up to `drain_s`)."""
@@ -193,14 +217,17 @@ class EngineTiers:
     async def reconcile(self) -> tuple[set[int], set[int]]:
         """Compare with the engine's own list; drop what either side holds alone.
 
-        Returns (ids the engine had that we did not, ids we had that the engine lost)."""
+        Returns (ids the engine had that we did not, ids we had that the engine lost). Only ids
+        loaded both before and after the engine answered count as lost: a load that ends while
+        the engine answers is not in its list."""
+        before = self.loaded_ids()
         actual = await self._engine.list_loras()
-        ours = self.loaded_ids()
-        extra, lost = actual - ours - set(self._slots), ours - actual
+        extra, lost = actual - set(self._slots), (before & self.loaded_ids()) - actual
         for engine_id in extra:
             await self._engine.remove_lora(engine_id)
         for engine_id in lost:
-            if self._slots[engine_id].leases == 0:
+            slot = self._slots.get(engine_id)  # the removals above await: it may be gone
+            if slot is not None and slot.leases == 0:
                 del self._slots[engine_id]
         self._publish()
         return extra, lost

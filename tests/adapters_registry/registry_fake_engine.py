@@ -19,6 +19,8 @@ class FakeEngine:
         self.pinned: set[int] = set()
         self.add_calls = 0
         self.load_delay_s = load_delay_s
+        self.pin_delay_s = 0.0
+        self.list_delay_s = 0.0  # list_loras answers as of its call, after this delay
 
     async def add_lora(self, adapter: ServableAdapter) -> None:
         self.add_calls += 1
@@ -34,7 +36,10 @@ class FakeEngine:
     async def pin_lora(self, engine_id: int) -> None:
         if engine_id not in self.loaded:
             raise KeyError(engine_id)
+        await asyncio.sleep(self.pin_delay_s)
         self.pinned.add(engine_id)
 
     async def list_loras(self) -> set[int]:
-        return set(self.loaded)
+        loaded = set(self.loaded)
+        await asyncio.sleep(self.list_delay_s)
+        return loaded

@@ -154,6 +154,22 @@ async def test_pin_unpin_evict_tiers(rig: Rig) -> None:
     assert reg.info("bot").tier == "cpu"
 
 
+async def test_register_pinned_pins_known_bytes_and_its_own_pin_is_no_conflict(rig: Rig) -> None:
+    engine = FakeEngine()
+    reg = await rig.registry("a", engine)  # max_loras 2: one pin
+    old = await reg.register("bot", rig.source("bot", seed=1))
+    await reg.register("bot", rig.source("bot-v2", seed=2))
+    # Bytes the name had before: a move in the catalog, which used to drop the pin.
+    back = await reg.register("bot", rig.source("bot", seed=1), pinned=True)
+    assert back.version == old.version and back.pinned and engine.pinned == {old.engine_id}
+    # At the limit, re-registering the pinned name pinned takes over its own pin.
+    again = await reg.register("bot", rig.source("bot-v2", seed=2), pinned=True)
+    assert again.pinned and again.tier == "gpu" and engine.pinned == {again.engine_id}
+    with pytest.raises(AdapterConflict, match="pinned already"):
+        await reg.register("other", rig.source("other", seed=3), pinned=True)
+    assert "other" not in reg.names()
+
+
 async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
     a, b_engine = await rig.registry("a"), FakeEngine()
     b = await rig.registry("b", b_engine)

@@ -85,6 +85,49 @@ async def test_pins_stay_below_max_loras_and_unpin_keeps_cpu(tmp_path: Path) -> 
     assert engine.pinned == set() and tiers.tier(1) is EngineTier.CPU and 1 in engine.loaded
 
 
+async def test_two_pins_at_once_cannot_both_pass_the_limit(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    engine.pin_delay_s = 0.05  # each pin awaits the engine between its check and its effect
+    tiers = make(engine, max_cpu=3, max_pinned=1)
+    for a in adapters(tmp_path, 2):
+        await tiers.load(a, 100)
+    results = await asyncio.gather(tiers.pin(1), tiers.pin(2), return_exceptions=True)
+    assert len(tiers.pinned_ids()) == len(engine.pinned) == 1
+    assert sum(isinstance(r, AdapterConflict) for r in results) == 1
+
+
+async def test_unpin_waits_for_in_flight_requests_and_loads_wait_for_it(tmp_path: Path) -> None:
+    engine = FakeEngine(load_delay_s=0.05)
+    tiers = make(engine, max_cpu=3, max_pinned=1)
+    (a1,) = adapters(tmp_path, 1)
+    await tiers.load(a1, 100)
+    await tiers.pin(1)
+    assert tiers.try_hold(1)
+    # vLLM would load a removed adapter back by itself for the running request.
+    assert not await tiers.unpin(1)
+    assert tiers.tier(1) is EngineTier.GPU and engine.pinned == {1}
+    await tiers.release(1)
+    unpinning = asyncio.create_task(tiers.unpin(1))
+    await asyncio.sleep(0.01)  # removed, being added back
+    assert tiers.tier(1) is EngineTier.LOADING and not tiers.try_hold(1)
+    await tiers.load(a1, 100)  # returns once the unpin's add is done, adding nothing itself
+    assert tiers.tier(1) is EngineTier.CPU and engine.add_calls == 2
+    assert await unpinning and engine.pinned == set() and tiers.leases(1) == 0
+
+
+async def test_reconcile_keeps_a_load_that_ends_while_the_engine_answers(tmp_path: Path) -> None:
+    engine = FakeEngine(load_delay_s=0.02)
+    engine.list_delay_s = 0.05
+    tiers = make(engine)
+    (a1,) = adapters(tmp_path, 1)
+    loading = asyncio.create_task(tiers.load(a1, 100))
+    await asyncio.sleep(0)
+    extra, lost = await tiers.reconcile()  # the engine's list predates the load's end
+    await loading
+    assert (extra, lost) == (set(), set())
+    assert tiers.loaded_ids() == set(engine.loaded) == {1}
+
+
 async def test_evict_waits_for_in_flight_requests(tmp_path: Path) -> None:
     engine = FakeEngine()
     tiers = make(engine)
