@@ -35,6 +35,8 @@ router = APIRouter(prefix="/admin/v1/adapters", tags=["admin"])
 
 
 class RegisterRequest(BaseModel):
+    model_config = {"extra": "forbid"}  # `{"pin": true}` is an error, not an unpinned adapter
+
     name: str = Field(description="Adapter name, `adapter` or `tenant/adapter`.")
     source: str = Field(description="s3://bucket/prefix/ or a local directory (PEFT files).")
     warm: bool = Field(default=False, description="Load it into the engine's CPU cache now.")
@@ -42,10 +44,14 @@ class RegisterRequest(BaseModel):
 
 
 class EvictRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
     tier: EvictTier = Field(description="cpu: drop from the engine; disk: also from local disk.")
 
 
 class RollbackRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
     version: str | None = Field(default=None, description="Version (or prefix); default previous.")
 
 

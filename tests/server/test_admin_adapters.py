@@ -178,6 +178,8 @@ def test_admin_refuses_bad_input_and_changes_nothing(cluster: Cluster) -> None:
     assert (
         missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
     )
+    misspelt = admin(cluster.a, "POST", "", json={"name": "x", "source": "s3://x/y/", "pin": True})
+    assert misspelt.status_code == 400 and "pin" in misspelt.json()["error"]["message"]
     no_token = httpx.get(f"{cluster.a.base_url}/admin/v1/adapters", timeout=10)
     assert no_token.status_code == 401
     assert admin(cluster.a, "GET", "").json()["data"] == before
