@@ -2,7 +2,12 @@
 
 `authenticate` maps a bearer key to its tenant. While no tenant anywhere has a key, the server is in
 open mode: every request belongs to the open tenant `default` (the embedded default's single-user
-setup). The admin token is never a tenant key, in either mode.
+setup). The admin token is never a tenant key, in either mode. Once keys exist, deleting the last
+tenant that has one is refused: it would open /v1 to everyone without a word.
+
+Reads of the store and the admin changes take turns (`_lock`): a poll that read the store before a
+key rotation must not put the old keys back, and each change starts from the store's current
+state, so it does not undo another replica's.
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ class TenantDirectory:
 
     async def load(self) -> None:
         """Read the store's tenants (again); used at start and to follow other replicas."""
+        async with self._lock:
+            await self._load_locked()
+
+    async def _load_locked(self) -> None:
         if self._store is None:
             return
         stored = await self._store.load_all()
@@ -144,7 +153,7 @@ class TenantDirectory:
     ) -> tuple[Tenant, str]:
         """A new stored tenant and its first key (returned once, kept only as a hash)."""
         async with self._lock:
-            await self.load()
+            await self._load_locked()
             if tenant_id in self._config or tenant_id in self._stored:
                 raise TenantConflict(f"Tenant `{tenant_id}` already exists.", param="id")
             key = new_key()
@@ -169,6 +178,7 @@ class TenantDirectory:
         quotas: Quotas | None = None,
     ) -> Tenant:
         async with self._lock:
+            await self._load_locked()
             old = self._stored_only(tenant_id)
             tenant = replace(
                 old,
@@ -182,6 +192,7 @@ class TenantDirectory:
     async def rotate_key(self, tenant_id: str, *, keep_old: bool = False) -> tuple[Tenant, str]:
         """A new key for the tenant; the old ones stop working unless `keep_old`."""
         async with self._lock:
+            await self._load_locked()
             old = self._stored_only(tenant_id)
             key = new_key()
             keys = (*old.keys, HashedKey.of(key)) if keep_old else (HashedKey.of(key),)
@@ -191,7 +202,15 @@ class TenantDirectory:
 
     async def delete(self, tenant_id: str) -> None:
         async with self._lock:
-            self._stored_only(tenant_id)
+            await self._load_locked()
+            tenant = self._stored_only(tenant_id)
+            if tenant.keys and not any(t.keys for t in self.tenants() if t.id != tenant_id):
+                raise TenantConflict(
+                    f"Deleting `{tenant_id}` would leave no API key anywhere and turn open mode "
+                    "on: every /v1 request would be served without authentication. Create "
+                    "another tenant first.",
+                    param="id",
+                )
             if self._store is not None:
                 await self._store.delete(tenant_id)
             del self._stored[tenant_id]

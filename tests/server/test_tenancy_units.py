@@ -16,7 +16,7 @@ from loraplex.server.tenancy.admission import Admission
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.errors import QueueFull, RateLimited, TenantConflict, Unauthorized
 from loraplex.server.tenancy.keys import HashedKey, lookup_id, new_key
-from loraplex.server.tenancy.model import TenantSource
+from loraplex.server.tenancy.model import Tenant, TenantSource
 from loraplex.server.tenancy.quotas import QuotaGate, TokenBucket
 from loraplex.server.tenancy.settings import Quotas, TenancySettings, TenantConfig
 from loraplex.server.tenancy.store import TenantStore
@@ -271,6 +271,50 @@ def test_stored_tenants_survive_a_restart_and_keys_rotate(tmp_path: Path) -> Non
         with pytest.raises(Unauthorized):
             first.authenticate(kept)
         assert [t.id for t in first.tenants()] == ["acme", "globex"]
+
+    asyncio.run(run())
+
+
+class SlowStore(TenantStore):
+    """Answers `load_all` with what the store held `delay_s` earlier, like a slow read."""
+
+    delay_s = 0.0
+
+    async def load_all(self) -> dict[str, Tenant]:
+        stored = await super().load_all()
+        await asyncio.sleep(self.delay_s)
+        return stored
+
+
+def test_a_poll_in_flight_never_brings_back_rotated_keys(tmp_path: Path) -> None:
+    async def run() -> None:
+        store = SlowStore(LocalStore(tmp_path), "tenants/")
+        directory = TenantDirectory(settings(), store, SecretStr(ADMIN))
+        _, old = await directory.create("initech", "", 1.0, Quotas())
+        store.delay_s = 0.1
+        poll = asyncio.create_task(directory.load())  # reads the store before the rotation
+        await asyncio.sleep(0.01)
+        store.delay_s = 0.0
+        _, new = await directory.rotate_key("initech")
+        await poll
+        assert directory.authenticate(new).id == "initech"
+        with pytest.raises(Unauthorized):
+            directory.authenticate(old)
+
+    asyncio.run(run())
+
+
+def test_deleting_the_last_keyed_tenant_is_refused_not_open_mode(tmp_path: Path) -> None:
+    async def run() -> None:
+        directory = TenantDirectory(settings(), TenantStore(LocalStore(tmp_path), "t/"), None)
+        assert directory.open_mode
+        await directory.create("initech", "", 1.0, Quotas())
+        with pytest.raises(TenantConflict, match="open mode"):
+            await directory.delete("initech")
+        assert not directory.open_mode
+        _, key = await directory.create("hooli", "", 1.0, Quotas())
+        await directory.delete("initech")
+        assert directory.authenticate(key).id == "hooli" and not directory.open_mode
 
     asyncio.run(run())
 
