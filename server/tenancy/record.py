@@ -8,6 +8,8 @@ All times are `time.monotonic()` seconds.
 
 from __future__ import annotations
 
+import itertools
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -28,17 +30,18 @@ class RequestRecord:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
-    # (time, tokens) of every engine output that carried tokens, for inter-token latency.
-    chunks: list[tuple[float, int]] = field(default_factory=list, repr=False)
+    # (time, tokens) of every engine output that carried tokens, per choice: TPOT and inter-token
+    # latency are a sequence's, and a request with n > 1 streams n sequences at once.
+    chunks: dict[int, list[tuple[float, int]]] = field(default_factory=dict, repr=False)
 
-    def on_tokens(self, count: int, now: float) -> None:
+    def on_tokens(self, count: int, now: float, choice: int = 0) -> None:
         if count <= 0:
             return
         if self.first_token_at is None:
             self.first_token_at = now
         self.last_token_at = now
         self.completion_tokens += count
-        self.chunks.append((now, count))
+        self.chunks.setdefault(choice, []).append((now, count))
 
     @property
     def ttft_s(self) -> float | None:
@@ -50,12 +53,14 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (vLLM's TPOT definition)."""
-        if self.first_token_at is None or self.last_token_at is None:
-            return None
-        if self.completion_tokens < 2:
-            return None
-        return (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
+        """Mean time per output token after the first (vLLM's TPOT definition), of each
+        sequence, averaged over the request's sequences."""
+        per_sequence = [
+            (chunks[-1][0] - chunks[0][0]) / (tokens - 1)
+            for chunks in self.chunks.values()
+            if (tokens := sum(n for _, n in chunks)) >= 2
+        ]
+        return statistics.fmean(per_sequence) if per_sequence else None
 
     @property
     def output_tokens_per_s(self) -> float | None:
@@ -65,10 +70,12 @@ class RequestRecord:
         return self.completion_tokens / (self.last_token_at - self.started)
 
     def inter_token_latencies(self) -> list[float]:
-        """One gap per token after the first; a chunk of n tokens spreads its gap over n."""
+        """One gap per token after a sequence's first; a chunk of n tokens spreads its gap
+        over n."""
         gaps: list[float] = []
-        for (prev, _), (now, count) in zip(self.chunks, self.chunks[1:], strict=False):
-            gaps.extend([(now - prev) / count] * count)
+        for chunks in self.chunks.values():
+            for (prev, _), (now, count) in itertools.pairwise(chunks):
+                gaps.extend([(now - prev) / count] * count)
         return gaps
 
     @property

@@ -70,9 +70,9 @@ class Admitted:
         async with aclosing(cast("AsyncGenerator[RequestOutput, None]", stream)) as it:
             async for output in it:
                 if record is not None:
-                    record.on_tokens(
-                        sum(len(o.token_ids) for o in output.outputs), time.monotonic()
-                    )
+                    now = time.monotonic()
+                    for out in output.outputs:
+                        record.on_tokens(len(out.token_ids), now, out.index)
                 yield output
 
     def close(self) -> None:

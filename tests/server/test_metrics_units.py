@@ -47,6 +47,18 @@ def test_record_derived_timings() -> None:
     assert r.inter_token_latencies() == pytest.approx([0.1, 0.1, 0.1])
 
 
+def test_tpot_and_gaps_are_per_sequence_when_n_streams_several() -> None:
+    # n=2: both sequences get a token at each step, 0.1 s apart; the request's tokens double,
+    # a sequence's time per token does not.
+    r = RequestRecord("rid", "POST", "/v1/completions", started=100.0)
+    for step in range(4):
+        for choice in (0, 1):
+            r.on_tokens(1, 100.1 + 0.1 * step, choice)
+    assert r.completion_tokens == 8
+    assert r.tpot_s == pytest.approx(0.1)
+    assert r.inter_token_latencies() == pytest.approx([0.1] * 6)
+
+
 def test_every_metric_is_prefixed_and_in_base_units() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, adapter_label_top_k=5)
