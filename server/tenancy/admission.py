@@ -69,6 +69,6 @@ class Admission:
         try:
             ticket = self.dispatcher.enqueue(tenant.id, tenant.weight, cost)
         except QueueFull:
-            gate.release(0)
+            gate.refuse()
             raise
         return Entry(gate, ticket)

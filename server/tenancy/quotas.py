@@ -50,6 +50,17 @@ class TokenBucket:
         """Take `n` units unconditionally (the bucket may go negative)."""
         self._level = self._refill() - n
 
+    def give_back(self, n: float) -> None:
+        """Return `n` units taken for something that did not happen (up to capacity)."""
+        self._level = min(self.capacity, self._refill() + n)
+
+    def resized(self, per_minute: int) -> TokenBucket:
+        """A bucket of the new rate holding this one's level: what is left (up to the new
+        capacity), or the debt."""
+        bucket = TokenBucket(per_minute, self._clock)
+        bucket._level = min(bucket.capacity, self._refill())
+        return bucket
+
 
 class QuotaGate:
     """The quotas of one tenant. Not thread-safe: used from the event loop only."""
@@ -57,14 +68,22 @@ class QuotaGate:
     def __init__(self, quotas: Quotas, clock: Clock = time.monotonic) -> None:
         self._clock = clock
         self.in_flight = 0
+        self._requests: TokenBucket | None = None
+        self._tokens: TokenBucket | None = None
         self.set_quotas(quotas)
 
     def set_quotas(self, quotas: Quotas) -> None:
-        """Apply new limits with full buckets; requests in flight keep counting."""
+        """Apply new limits; requests in flight keep counting, and a rate that stays limited
+        keeps its level: what is left of it, or its debt (an admin edit is no way out of debt)."""
         self.quotas = quotas
         rpm, tpm = quotas.requests_per_minute, quotas.tokens_per_minute
-        self._requests = TokenBucket(rpm, self._clock) if rpm else None
-        self._tokens = TokenBucket(tpm, self._clock) if tpm else None
+        self._requests = self._bucket(self._requests, rpm)
+        self._tokens = self._bucket(self._tokens, tpm)
+
+    def _bucket(self, old: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+        if not per_minute:
+            return None
+        return old.resized(per_minute) if old else TokenBucket(per_minute, self._clock)
 
     def admit(self) -> None:
         """Count one request in, or raise RateLimited naming the exhausted quota."""
@@ -96,3 +115,9 @@ class QuotaGate:
         self.in_flight -= 1
         if self._tokens is not None and tokens:
             self._tokens.charge(tokens)
+
+    def refuse(self) -> None:
+        """Undo `admit` for a request refused after it (queue full): it used no allowance."""
+        self.in_flight -= 1
+        if self._requests is not None:
+            self._requests.give_back(1)

@@ -184,19 +184,36 @@ def test_changed_quotas_apply_without_losing_in_flight_count() -> None:
 
 
 def test_queue_full_refuses_without_counting_against_quota() -> None:
-    admission = Admission(settings(max_running=1, max_queued=1))
+    clock = FakeClock()  # no refill during the test
+    admission = Admission(settings(max_running=1, max_queued=1), clock)
     acme = TenantDirectory(two_tenants(), None, None).authenticate(ACME_KEY)
+    acme = acme.__class__(**{**acme.__dict__, "quotas": Quotas(requests_per_minute=3)})
 
     async def run() -> None:
         running = admission.enter(acme)
         queued = admission.enter(acme)
-        with pytest.raises(QueueFull) as e:
-            admission.enter(acme)
-        assert e.value.status == 503
+        for _ in range(5):  # each refused for the queue, none for the request rate
+            with pytest.raises(QueueFull) as e:
+                admission.enter(acme)
+            assert e.value.status == 503
         running.close(0)
         queued.close(0)
+        admission.enter(acme).close(0)  # the third of the minute's three
+        with pytest.raises(RateLimited):
+            admission.enter(acme)
 
     asyncio.run(run())
+
+
+def test_a_quota_edit_keeps_token_debt() -> None:
+    clock = FakeClock()
+    gate = QuotaGate(Quotas(tokens_per_minute=600), clock)
+    gate.admit()
+    gate.release(1200)  # 600 tokens of debt: a minute at 600 per minute
+    gate.set_quotas(Quotas(tokens_per_minute=1200))
+    with pytest.raises(RateLimited) as e:
+        gate.admit()
+    assert e.value.retry_after == pytest.approx(30.0)  # 600 of debt at 1,200 per minute
 
 
 # --- directory ---------------------------------------------------------------------------------
