@@ -3,8 +3,11 @@
 It is an append-only log of events kept in the object store itself, one object per event at
 `catalog/log/<seq>.json`, each written with exclusive creation. Two replicas that append at once
 race for the same sequence number; the loser re-reads the log and tries again, so every replica
-applies the same events in the same order and converges. A snapshot of the whole state is written
-every `SNAPSHOT_EVERY` events so a start reads one snapshot plus a short tail, not the whole log.
+applies the same events in the same order and converges. Each event carries a random id: a write
+whose response was lost is retried by the S3 client and refused as taken, and the id tells the
+writer that the event there is its own (re-planning would apply it twice). A snapshot of the whole
+state is written every `SNAPSHOT_EVERY` events so a start reads one snapshot plus a short tail, not
+the whole log.
 
 Engine ids are allocated by the log (one more than the largest ever given), so an id names exactly
 one version's bytes for the life of the store, across restarts and replicas.
@@ -17,12 +20,13 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
 from loraplex.adapters_registry.names import AdapterRef
-from loraplex.adapters_registry.store import ObjectMissing, ObjectStore
+from loraplex.adapters_registry.store import ObjectExists, ObjectMissing, ObjectStore
 
 LOG_PREFIX = "catalog/log/"
 SNAPSHOT_PREFIX = "catalog/snapshot/"
@@ -168,7 +172,7 @@ class Catalog:
 
     @staticmethod
     def event(op: str, name: str, **fields: Any) -> dict[str, Any]:
-        return {"op": op, "name": name, "at": time.time(), **fields}
+        return {"op": op, "name": name, "at": time.time(), "id": uuid.uuid4().hex, **fields}
 
     @staticmethod
     def register_event(record: VersionRecord, pinned: bool) -> dict[str, Any]:
@@ -204,9 +208,15 @@ class Catalog:
             expected += 1
         return events
 
-    def write_event(self, seq: int, event: dict[str, Any]) -> None:
-        """Append `event` as number `seq`. Raises ObjectExists if another writer took `seq`."""
-        self.store.put_bytes(log_key(seq), json.dumps(event).encode(), if_absent=True)
+    def write_event(self, seq: int, event: dict[str, Any]) -> bool:
+        """Append `event` as number `seq`: True once it is there, False if another writer took
+        `seq`. Number `seq` taken by this very event (a retried write) counts as written."""
+        try:
+            self.store.put_bytes(log_key(seq), json.dumps(event).encode(), if_absent=True)
+        except ObjectExists:
+            stored = json.loads(self.store.get_bytes(log_key(seq)))
+            return bool(stored.get("id")) and stored.get("id") == event["id"]
+        return True
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -35,7 +35,6 @@ from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.single_flight import SingleFlight
 from loraplex.adapters_registry.store import (
     ContentMismatch,
-    ObjectExists,
     ObjectStore,
     StoreError,
 )
@@ -180,9 +179,8 @@ class AdapterRegistry:
                     return
                 seq = self.catalog.last_seq + 1
                 try:
-                    await asyncio.to_thread(self.catalog.write_event, seq, event)
-                except ObjectExists:
-                    continue
+                    if not await asyncio.to_thread(self.catalog.write_event, seq, event):
+                        continue  # another replica took `seq`: re-plan on its state
                 except StoreError as e:
                     raise AdapterUnavailable(
                         f"catalog write to {self.store.uri} failed: {e}"
@@ -190,9 +188,18 @@ class AdapterRegistry:
                 self.catalog.apply(seq, event)
                 self.metrics.registered.set(len(self.catalog.names()))
                 if seq % SNAPSHOT_EVERY == 0:
-                    await asyncio.to_thread(self.catalog.write_snapshot, self.catalog.snapshot())
+                    await self._write_snapshot()
                 return
         raise AdapterUnavailable("catalog is contended by other writers; try again")
+
+    async def _write_snapshot(self) -> None:
+        """The event is committed whatever happens here: a snapshot only shortens the log the
+        next start reads, so a failed one is logged, not the caller's error."""
+        try:
+            await asyncio.to_thread(self.catalog.write_snapshot, self.catalog.snapshot())
+        except StoreError:
+            log.exception("catalog snapshot at %d failed; starts read a longer log until the "
+                          "next one", self.catalog.last_seq)  # fmt: skip
 
     async def _reconcile(self) -> None:
         """Drop engine copies of versions no name reaches any more; apply replicas' pins."""

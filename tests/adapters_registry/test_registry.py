@@ -19,6 +19,7 @@ from registry_rig import Rig, metric
 from loraplex.adapters_registry.base import AdapterConflict, AdapterInvalid, AdapterNotFound
 from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.store import ObjectExists
 
 pytestmark = pytest.mark.anyio
 
@@ -168,6 +169,24 @@ async def test_register_pinned_pins_known_bytes_and_its_own_pin_is_no_conflict(r
     with pytest.raises(AdapterConflict, match="pinned already"):
         await reg.register("other", rig.source("other", seed=3), pinned=True)
     assert "other" not in reg.names()
+
+
+async def test_a_rollback_whose_write_response_is_lost_applies_once(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reg = await rig.registry("a")
+    v1, v2, v3 = [await reg.register("bot", rig.source(f"b{i}", seed=i)) for i in (1, 2, 3)]
+    put = reg.store.put_bytes
+
+    def landed_but_lost(key: str, data: bytes, *, if_absent: bool = False) -> None:
+        put(key, data, if_absent=if_absent)
+        if key.startswith("catalog/log/"):  # botocore's retry then finds the key taken (412)
+            raise ObjectExists(key)
+
+    monkeypatch.setattr(reg.store, "put_bytes", landed_but_lost)
+    # Re-planning on a "lost race" to itself rolled back twice, from v3 to v1.
+    assert (await reg.rollback("bot")).version == v2.version != v1.version
+    assert v3.version not in reg.info("bot").previous_versions
 
 
 async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
