@@ -6,18 +6,26 @@ is checked against its sha256, fsynced, and only then is the folder renamed into
 crash, a `kill -9` or a store fault never leaves a partial or corrupt version where it could be
 served. At start `tmp/` is emptied and the index is rebuilt from `versions/` (sizes re-checked).
 
+The index lives in this process, so one process owns a cache folder: it holds an exclusive lock
+on `root/.lock` until `close`. A second process on the same folder would serve hits for folders the
+first evicted, clash on installs, and empty the first's downloads in progress at its start; it
+waits LOCK_WAIT_S for the owner to exit (a restart right after a crash), then refuses to start.
+A version folder removed behind the cache's back is dropped from the index at its next lookup.
+
 Blocking; called from worker threads. A lock guards the index. Versions in use (being loaded
 into the engine) are not evicted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,11 +35,16 @@ from loraplex.adapters_registry.catalog import FileEntry
 from loraplex.adapters_registry.metrics import RegistryMetrics
 
 MANIFEST = "files.json"
+LOCK_WAIT_S = 30.0
 _CHUNK = 1 << 20
 
 
 class CacheError(Exception):
     """A download did not match its hash, or the version cannot fit in the cache."""
+
+
+class HashMismatch(CacheError):
+    """A downloaded file is not the bytes its hash names: worth fetching once more."""
 
 
 def sha256_file(path: Path) -> str:
@@ -65,8 +78,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _lock_folder(root: Path, wait_s: float) -> int:
+    """An open descriptor holding an exclusive flock on `root/.lock` (see the module docstring)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise CacheError(
+                    f"the disk cache {root} is in use by another process (waited {wait_s:.0f} "
+                    "s): give each replica on a host its own cache_dir"
+                ) from None
+            time.sleep(0.2)
+
+
 class DiskCache:
-    def __init__(self, root: Path, capacity_bytes: int, metrics: RegistryMetrics) -> None:
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        metrics: RegistryMetrics,
+        lock_wait_s: float = LOCK_WAIT_S,
+    ) -> None:
+        self._lock_fd: int | None = _lock_folder(root, lock_wait_s)
         self.capacity_bytes = capacity_bytes
         self._versions = root / "versions"
         self._tmp = root / "tmp"
@@ -78,6 +117,12 @@ class DiskCache:
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._versions.mkdir(parents=True, exist_ok=True)
         self._rebuild()
+
+    def close(self) -> None:
+        """Let another process own the folder (idempotent)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _rebuild(self) -> None:
         found = []
@@ -117,6 +162,10 @@ class DiskCache:
         with self._lock:
             if version not in self._index:
                 return None
+            if not (self.path(version) / MANIFEST).is_file():  # removed behind our back
+                del self._index[version]
+                self._publish()
+                return None
             self._index.move_to_end(version)
         return self.path(version)
 
@@ -154,7 +203,7 @@ class DiskCache:
                 get(entry, tmp / entry.name)
                 actual = sha256_file(tmp / entry.name)
                 if actual != entry.sha256:
-                    raise CacheError(
+                    raise HashMismatch(
                         f"{entry.name} does not match its hash (expected sha256 {entry.sha256[:12]}"
                         f"..., got {actual[:12]}...)"
                     )

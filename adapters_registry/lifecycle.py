@@ -105,3 +105,4 @@ async def open_adapter_source(
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
+        registry.cache.close()

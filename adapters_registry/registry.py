@@ -28,7 +28,7 @@ from loraplex.adapters_registry.base import (
 )
 from loraplex.adapters_registry.base_model import BaseModelSpec
 from loraplex.adapters_registry.catalog import SNAPSHOT_EVERY, Catalog, VersionRecord, blob_key
-from loraplex.adapters_registry.disk_cache import CacheError, DiskCache
+from loraplex.adapters_registry.disk_cache import CacheError, DiskCache, HashMismatch
 from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.names import parse_ref
 from loraplex.adapters_registry.settings import RegistrySettings
@@ -138,7 +138,9 @@ class AdapterRegistry:
                 break
             except (StoreError, CacheError) as e:
                 self.metrics.load_failures.labels("disk").inc()
-                retryable = isinstance(e, CacheError | ContentMismatch)
+                # Bytes that failed their hash may be right the next time; a cache too full
+                # or too small will not be.
+                retryable = isinstance(e, HashMismatch | ContentMismatch)
                 if not retryable or attempt == _FETCH_ATTEMPTS - 1:
                     raise AdapterUnavailable(
                         f"adapter `{record.name}` is unavailable: fetching it from "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 SafetensorsDtype = Literal["F16", "BF16", "F32"]
 
@@ -66,3 +66,14 @@ class RegistrySettings(BaseModel):
     delete_drain_s: float = Field(
         default=60.0, ge=0, description="Seconds a deletion waits for in-flight requests to end."
     )
+
+    @model_validator(mode="after")
+    def _largest_adapter_fits_the_disk_cache(self) -> RegistrySettings:
+        # An adapter the limit accepts but the cache cannot hold would register, then fail
+        # every request.
+        if self.max_adapter_mib * 2**20 > self.disk_cache_gib * 2**30:
+            raise ValueError(
+                f"registry.max_adapter_mib ({self.max_adapter_mib} MiB) must fit in "
+                f"registry.disk_cache_gib ({self.disk_cache_gib} GiB)"
+            )
+        return self

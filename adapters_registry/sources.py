@@ -50,9 +50,12 @@ def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
                 f"source {source} does not exist (no such bucket)", param="source", reason="source"
             ) from e
         sizes = {k: store.size(k) if k in ADAPTER_FILES else 0 for k in top_level}
-        check_listing(sizes, settings.max_adapter_mib * 1024 * 1024)
+        max_bytes = settings.max_adapter_mib * 1024 * 1024
+        check_listing(sizes, max_bytes)
         for name in ADAPTER_FILES:
             store.download(name, dest / name)
+        # Again on the bytes that came: the source may have changed since it was listed.
+        check_listing({name: (dest / name).stat().st_size for name in ADAPTER_FILES}, max_bytes)
     except ObjectMissing as e:
         raise AdapterInvalid(
             f"{e} vanished from {source} during registration", param="source", reason="source"

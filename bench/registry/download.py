@@ -65,6 +65,7 @@ def ours(endpoint: str, work: Path, entry: FileEntry) -> float:
     path = cache.fetch("v", (entry,), lambda e, dest: store.download(KEY, dest))
     elapsed = time.perf_counter() - start
     assert (path / entry.name).stat().st_size == entry.size
+    cache.close()
     shutil.rmtree(work / "cache")
     return elapsed
 

@@ -71,6 +71,24 @@ def test_rebuild_after_crash(tmp_path: Path) -> None:
     (tmp_path / "versions" / "damaged" / "adapter_model.safetensors").write_bytes(b"d")
     shutil.copytree(tmp_path / "versions" / "good", tmp_path / "versions" / "no-manifest")
     (tmp_path / "versions" / "no-manifest" / "files.json").unlink()
+    cache.close()  # the crashed process lets go of the folder
     again = make_cache(tmp_path, 1000)
     assert again.cached() == {"good"} and again.used_bytes == 100
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_one_process_owns_a_cache_folder(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, 1000)
+    with pytest.raises(CacheError, match="in use by another process"):
+        DiskCache(tmp_path, 1000, RegistryMetrics(CollectorRegistry()), lock_wait_s=0.3)
+    cache.close()
+    make_cache(tmp_path, 1000).close()
+
+
+def test_a_version_removed_behind_the_cache_is_a_miss_not_a_stale_hit(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, 1000)
+    fetch(cache, "v", b"x" * 100)
+    shutil.rmtree(tmp_path / "versions" / "v")
+    assert cache.lookup("v") is None and cache.used_bytes == 0
+    fetch(cache, "v", b"x" * 100)  # installs again
+    assert cache.lookup("v") is not None

@@ -16,7 +16,12 @@ from registry_builders import adapter_config, dense_tensors, write_adapter
 from registry_fake_engine import FakeEngine
 from registry_rig import Rig, metric
 
-from loraplex.adapters_registry.base import AdapterConflict, AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.base import (
+    AdapterConflict,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterUnavailable,
+)
 from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import ObjectExists
@@ -99,6 +104,7 @@ async def test_replicas_see_each_others_registrations_and_deletions(rig: Rig) ->
 async def test_restart_keeps_registrations_without_downloading(rig: Rig) -> None:
     reg = await rig.registry("a")
     info = await reg.register("bot", rig.source("bot"))
+    reg.cache.close()  # the process ends
     again = await rig.registry("a")  # same cache folder, same store: a restart
     async with again.lease("bot") as adapter:
         assert adapter.engine_id == info.engine_id
@@ -187,6 +193,19 @@ async def test_a_rollback_whose_write_response_is_lost_applies_once(
     # Re-planning on a "lost race" to itself rolled back twice, from v3 to v1.
     assert (await reg.rollback("bot")).version == v2.version != v1.version
     assert v3.version not in reg.info("bot").previous_versions
+
+
+async def test_an_adapter_the_disk_cache_cannot_hold_is_fetched_once_not_retried(
+    rig: Rig,
+) -> None:
+    reg = await rig.registry("a")
+    await reg.register("bot", rig.source("bot"))
+    await reg.evict("bot", "disk")
+    reg.cache.capacity_bytes = 10  # smaller than any adapter: no retry can change that
+    with pytest.raises(AdapterUnavailable, match="exceeds the disk cache"):
+        async with reg.lease("bot"):
+            pass
+    assert metric(reg, "loraplex_adapter_load_failures_total", tier="disk") == 1
 
 
 async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:

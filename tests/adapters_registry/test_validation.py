@@ -22,6 +22,9 @@ from registry_builders import (
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
+from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.sources import fetch_source
 from loraplex.adapters_registry.tensors import HeaderError, read_header
 from loraplex.adapters_registry.validation import check_listing, validate_adapter
 
@@ -237,6 +240,22 @@ def test_listing_refuses_pickle_only_and_oversize() -> None:
     with pytest.raises(AdapterInvalid) as info:
         check_listing({"adapter_model.safetensors": 10}, 1000)
     assert info.value.reason == "missing_config"
+
+
+def test_a_source_that_grew_since_its_listing_is_refused_after_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "adapter_config.json").write_text("{}")
+    (source / "adapter_model.safetensors").write_bytes(bytes(3 * 2**19))  # 1.5 MiB
+    # The sizes the listing saw, before the source was overwritten with bigger files.
+    monkeypatch.setattr(LocalStore, "size", lambda self, key: 10)
+    settings = RegistrySettings(max_adapter_mib=1, disk_cache_gib=1)
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(AdapterInvalid, match="at most 1048576") as info:
+        fetch_source(str(source), tmp_path / "dest", settings)
+    assert info.value.reason == "size"
 
 
 def test_moe_per_expert_form(

@@ -53,6 +53,13 @@ def test_config_errors_never_print_the_admin_token() -> None:
     assert "http.admin_token" in str(e.value) and "secret" not in str(e.value)
 
 
+def test_largest_adapter_must_fit_the_disk_cache() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(registry={"disk_cache_gib": 1, "max_adapter_mib": 2048})
+    message = str(e.value)
+    assert "registry.max_adapter_mib (2048 MiB) must fit in registry.disk_cache_gib (1" in message
+
+
 def test_environment_variables_fill_nested_sections(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_ENGINE__MAX_LORAS", "3")
     monkeypatch.setenv("LORAPLEX_HTTP__PORT", "9001")
