@@ -43,7 +43,9 @@ FINALISTS = 4
 PREFILL_MIN_PAIRS = 8192
 
 
-def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list[MoeLoraConfig]:
+def candidates(
+    k: int, num_pairs: int, slices: int, naive: bool = False, fused_activation: bool = False
+) -> list[MoeLoraConfig]:
     """A short list (each candidate costs a compile per shape). Fused: narrow and wide N tiles,
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
     K tiles and fewer stages (less shared memory, more programs per SM), and expands of half or
@@ -54,8 +56,28 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
     over 2 to 16 K ranges of at least 64, with 4 or 8 warps, and the GEMV expand after it or
     after the tl.dot shrink; in the sorted form at decode sizes also expands of half and
     quarter blocks over 4, 8 and 16 N tiles.
+
+    `fused_activation`: a gate/up call whose SiLU-and-mul the plugin fuses with the expand of a
+    split config (`moe_act_fusion`). At prefill sizes that fusion saves the activation's own pass,
+    far more than any variant gains on the op alone, so fused variants are left out there. H200,
+    Qwen3-30B-A3B gate/up with SiLU-and-mul at 8,192, 12,288 and 16,384 tokens: 236.0, 286.8
+    and 367.3 us fused against 337.1, 438.7 and 562.7 us with vLLM's SiLU-and-mul after the op,
+    while a fused variant tuned at blocks of 64 won the op alone by at most 12 us (bench rows of
+    commit 0ad01f6). At decode sizes both kinds stay: served beside the base GEMM, split and fused
+    configs took what they take alone (a throwaway probe of the plugin's side-stream order on
+    the H200, 2026-11-24: Qwen3 gate/up at 64 tokens 142.6 us split against 141.4 fused).
     """
     bk = 128 if k >= 256 else 64
+    out = _all_candidates(k, num_pairs, slices, naive, bk)
+    if fused_activation and num_pairs >= PREFILL_MIN_PAIRS:
+        out = [c for c in out if c.variant != "fused"]
+    return out
+
+
+def _all_candidates(
+    k: int, num_pairs: int, slices: int, naive: bool, bk: int
+) -> list[MoeLoraConfig]:
+    """`candidates` before the activation's filter."""
     out = [
         MoeLoraConfig("fused", bk, 128),
         MoeLoraConfig("fused", bk, 64),
@@ -143,6 +165,12 @@ def candidates(k: int, num_pairs: int, slices: int, naive: bool = False) -> list
     return list(dict.fromkeys(out))
 
 
+def fuses_activation(shape: MoeShape, op: str) -> bool:
+    """Whether the plugin fuses this call's expand into the activation after it (split
+    configs of the gate/up call, before SiLU-and-mul)."""
+    return op == "w13" and shape.activation == "silu"
+
+
 def _workspace_fits(num_pairs: int, split: int) -> bool:
     """Whether the split variant's workspace at rank 32 and 2 slices stays modest."""
     return num_pairs * 32 * 2 * 4 * split <= WORKSPACE_MAX_BYTES
@@ -215,7 +243,8 @@ def main() -> None:
                                                 block_m, dtype, "cuda",
                                                 naive=not sorted_form)]  # fmt: skip
                 num_pairs = tokens * shape.top_k
-                cands = candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form)
+                cands = candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form,
+                                   fused_activation=fuses_activation(shape, op))  # fmt: skip
                 best, timings = tune_point(sets, cands, block_m)
                 key = shape_key(shape, spec, args.rank, sorted_form, str(dtype)).text()
                 tuned.setdefault(key, {})[num_pairs] = (

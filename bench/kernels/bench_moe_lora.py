@@ -57,7 +57,7 @@ from loraplex.kernels.moe_lora_workload import (
     served_naive,
     time_interleaved,
 )
-from loraplex.kernels.tune_moe_lora import candidates, shape_key, tune_point
+from loraplex.kernels.tune_moe_lora import candidates, fuses_activation, shape_key, tune_point
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "NUM_WARPS",
                "NUM_STAGES", "SPLIT_K")  # fmt: skip
@@ -217,8 +217,11 @@ def bench_point(
     # kernels), tune here.
     if ns.tune or cfg.variant == "stock":
         best, _ = tune_point(
-            args, candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form), block_m
-        )
+            args,
+            candidates(spec.k, num_pairs, spec.slices, naive=not sorted_form,
+                       fused_activation=fuses_activation(shape, op)),
+            block_m,
+        )  # fmt: skip
         cfg = dataclasses.replace(best, tuned_block_m=our_block)
 
     def ours_with(config: MoeLoraConfig, sets: list[dict], block: int = block_m) -> list:

@@ -9,7 +9,8 @@ import pytest
 
 from loraplex.kernels import moe_lora_configs as configs
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey
-from loraplex.kernels.tune_moe_lora import candidates
+from loraplex.kernels.moe_lora_workload import SHAPES
+from loraplex.kernels.tune_moe_lora import PREFILL_MIN_PAIRS, candidates, fuses_activation
 
 
 def test_partial_tuning_keeps_other_pair_counts(
@@ -121,3 +122,15 @@ def test_lookup_takes_the_log_nearest_entry_and_the_larger_at_a_tie(
     assert configs.lookup("Test GPU", key, 2047, 132) == small
     assert configs.lookup("Test GPU", key, 2048, 132) == large  # 1,024 and 4,096 equally near
     assert configs.lookup("Test GPU", key, 0, 132) == small  # no pairs: as one
+
+
+def test_prefill_gate_up_before_a_fused_silu_tunes_only_configs_that_fuse_it() -> None:
+    # The plugin fuses a split config's gate/up expand into SiLU-and-mul; a fused variant
+    # would lose that pass at prefill sizes. At decode sizes both kinds stay candidates.
+    prefill = candidates(2048, PREFILL_MIN_PAIRS, 2, fused_activation=True)
+    assert prefill and all(c.variant == "split" for c in prefill)
+    assert any(c.variant == "fused" for c in candidates(2048, PREFILL_MIN_PAIRS, 2))
+    assert any(c.variant == "fused" for c in candidates(2048, 2048, 2, fused_activation=True))
+    assert fuses_activation(SHAPES["qwen3-30b-a3b"], "w13")
+    assert not fuses_activation(SHAPES["qwen3-30b-a3b"], "w2")
+    assert not fuses_activation(SHAPES["gpt-oss-20b"], "w13")  # clamped SwiGLU: vLLM's own
