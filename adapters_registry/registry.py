@@ -217,7 +217,11 @@ class AdapterRegistry:
                 wanted[record.engine_id] = record
         # Unpins first: a pinned name moved to a new version frees its old slot for the new one.
         for engine_id in self.tiers.pinned_ids() - wanted.keys():
-            await self.tiers.unpin(engine_id)
+            try:  # False while requests are in flight on it: the next reconcile tries again
+                await self.tiers.unpin(engine_id)
+            except Exception as e:  # unpinned, but not added back: the next request loads it
+                log.warning("unpinned engine id %d was not added back to the CPU cache: %s",
+                            engine_id, e)  # fmt: skip
         for engine_id, record in wanted.items():
             if engine_id in self.tiers.pinned_ids():
                 continue

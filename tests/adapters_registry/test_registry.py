@@ -7,6 +7,7 @@ folder plays a restart.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 
@@ -206,6 +207,20 @@ async def test_an_adapter_the_disk_cache_cannot_hold_is_fetched_once_not_retried
         async with reg.lease("bot"):
             pass
     assert metric(reg, "loraplex_adapter_load_failures_total", tier="disk") == 1
+
+
+async def test_unpin_whose_files_left_the_disk_answers_and_the_next_request_reloads(
+    rig: Rig,
+) -> None:
+    engine = FakeEngine()
+    reg = await rig.registry("a", engine)
+    info = await reg.register("bot", rig.source("bot"), pinned=True)
+    shutil.rmtree(reg.cache.path(info.version))  # e.g. an operator cleaned the disk
+    unpinned = await reg.set_pinned("bot", False)  # vLLM cannot add it back: no files
+    assert not unpinned.pinned and engine.pinned == set() and info.engine_id not in engine.loaded
+    async with reg.lease("bot") as adapter:  # fetched again from the store, loaded
+        assert (adapter.path / "adapter_model.safetensors").is_file()
+    assert reg.info("bot").tier == "cpu"
 
 
 async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
