@@ -215,10 +215,11 @@ class AdapterRegistry:
             if entry is not None and entry.pinned:
                 record = self.catalog.versions(name)[entry.version]
                 wanted[record.engine_id] = record
-        # Unpins first: a pinned name moved to a new version frees its old slot for the new one.
+        # Unpins first: a pinned name moved to a new version frees its old slot for the new one
+        # (once the old one's requests end, within delete_drain_s; else at a later reconcile).
         for engine_id in self.tiers.pinned_ids() - wanted.keys():
-            try:  # False while requests are in flight on it: the next reconcile tries again
-                await self.tiers.unpin(engine_id)
+            try:
+                await self.tiers.unpin(engine_id, self.settings.delete_drain_s)
             except Exception as e:  # unpinned, but not added back: the next request loads it
                 log.warning("unpinned engine id %d was not added back to the CPU cache: %s",
                             engine_id, e)  # fmt: skip

@@ -37,6 +37,7 @@ class _Slot:
     tier: EngineTier
     leases: int = 0
     last_used: float = 0.0
+    draining: bool = False  # being unpinned: no new lease until it is back in the CPU cache
 
 
 class EngineTiers:
@@ -86,11 +87,16 @@ class EngineTiers:
     def try_hold(self, engine_id: int) -> bool:
         """Take a lease on a loaded adapter (no await: the routing fast path)."""
         slot = self._slots.get(engine_id)
-        if slot is None or slot.tier is EngineTier.LOADING:
+        if slot is None or not self._settled(slot):
             return False
         slot.leases += 1
         slot.last_used = time.time()
         return True
+
+    @staticmethod
+    def _settled(slot: _Slot | None) -> bool:
+        """Neither being added nor being unpinned: its leases can be taken."""
+        return slot is None or (slot.tier is not EngineTier.LOADING and not slot.draining)
 
     async def release(self, engine_id: int) -> None:
         slot = self._slots.get(engine_id)
@@ -104,11 +110,11 @@ class EngineTiers:
 
     async def load(self, adapter: ServableAdapter, size: int) -> None:
         """Add `adapter` to the engine's CPU cache, evicting or waiting for room. Idempotent;
-        while the adapter is being added back by `unpin`, waits for that to end."""
+        while the adapter is being unpinned (drained, then added back), waits for that to end."""
         if adapter.engine_id in self._slots:
             async with self._changed:
                 await self._changed.wait_for(
-                    lambda: self.tier(adapter.engine_id) is not EngineTier.LOADING
+                    lambda: self._settled(self._slots.get(adapter.engine_id))
                 )
             return
         async with self._changed:
@@ -169,15 +175,23 @@ class EngineTiers:
         self._metrics.loads.labels("gpu").inc()
         self._publish()
 
-    async def unpin(self, engine_id: int) -> bool:
-        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache.
-        False, and still pinned, while requests are in flight on it: the caller tries again
-        (the registry at its next reconcile)."""
+    async def unpin(self, engine_id: int, drain_s: float) -> bool:
+        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache,
+        once no request is in flight on it. New requests for it wait meanwhile (up to `drain_s`
+        for the running ones to end, then the re-add). False, and still pinned, if they have
+        not ended by then: the caller tries again (the registry at its next reconcile)."""
         async with self._pinning:
             slot = self._slots.get(engine_id)
             if slot is None or slot.tier is not EngineTier.GPU:
                 return True
-            if slot.leases:
+            slot.draining = True
+            try:
+                drained = await self._drained(slot, drain_s)
+            finally:
+                slot.draining = False
+            if not drained:
+                async with self._changed:
+                    self._changed.notify_all()  # the loads waiting on the drain take leases
                 return False
             # From here no lease can be taken (LOADING), and a load of it waits for the end.
             slot.tier = EngineTier.LOADING
@@ -195,6 +209,17 @@ class EngineTiers:
                 async with self._changed:
                     self._changed.notify_all()
             return True
+
+    async def _drained(self, slot: _Slot, drain_s: float) -> bool:
+        """Whether `slot` has no lease within `drain_s` seconds."""
+        if slot.leases == 0:
+            return True
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: slot.leases == 0), drain_s)
+            except TimeoutError:
+                return False
+        return True
 
     async def evict(self, engine_id: int, drain_s: float) -> bool:
         """Remove from the engine once no request holds it (waiting up to `drain_s`)."""
