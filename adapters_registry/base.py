@@ -88,3 +88,8 @@ class AdapterSource(Protocol):
     def resolve(self, name: str) -> object:
         """Raises AdapterNotFound if `name` names no adapter (no side effects; cheap)."""
         ...
+
+    async def prefetch(self, name: str) -> None:
+        """Make `name`'s files local without holding any engine resource, so that a later
+        `lease` only loads them. Raises AdapterNotFound, AdapterUnavailable."""
+        ...

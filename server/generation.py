@@ -1,14 +1,16 @@
 """One completion request from parsed body to response: the steps of the README's lifecycle.
 
 check access and that the adapter exists -> tokenize, check context, build sampling params
-(every 400 before any work) -> admit (tenant quotas, bounded fair queue) -> wait for the fair
-engine slot -> lease the adapter (a cold one is fetched and loaded) and stream deltas -> whole
-JSON or SSE chunks.
+(every 400 before any work) -> admit (tenant quotas, bounded fair queue) -> fetch a cold
+adapter's files to disk -> wait for the fair engine slot -> lease the adapter (load it into the
+engine's CPU cache and hold it there) and stream deltas -> whole JSON or SSE chunks.
 
 The lease comes after the queue wait: a queued request that held a lease would keep its adapter
 in the engine's CPU cache, and once the requests holding the engine slots all wait for a cache
 slot, nobody moves again (two engine slots, two cache slots: two running requests for a cold
-adapter wait on two queued ones for cached adapters, which wait for the engine slots).
+adapter wait on two queued ones for cached adapters, which wait for the engine slots). The fetch
+comes before the wait: it holds no cache slot, its errors are still a status before any stream
+byte, and a download does not keep an engine slot idle.
 
 The engine request is aborted if the client goes away. Streaming: `_ClosingStream` closes the
 body iterator whatever ends the response (Starlette cancels it on disconnect but never closes a
@@ -22,10 +24,10 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -58,6 +60,7 @@ from loraplex.server.tenancy.service import Admitted, Tenancy
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
+T = TypeVar("T")
 # nginx's code for "client closed request": what the access log records for a client that left.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -138,10 +141,15 @@ async def _deltas(
 
 
 async def _lease(stack: AsyncExitStack, gw: Gateway, model: str) -> ServableAdapter:
-    """The adapter, held until `stack` closes; its errors as the client sees them (an adapter
-    unregistered since `complete` checked it is not found)."""
+    """The adapter, held until `stack` closes."""
+    return await _adapter_call(stack.enter_async_context(gw.adapters.lease(model)), model)
+
+
+async def _adapter_call(call: Awaitable[T], model: str) -> T:
+    """`call`'s result; the registry's errors as the client sees them (an adapter unregistered
+    since `complete` checked it is not found)."""
     try:
-        return await stack.enter_async_context(gw.adapters.lease(model))
+        return await call
     except AdapterNotFound as e:
         raise ModelNotFound(model) from e
     except AdapterError as e:
@@ -276,6 +284,8 @@ async def complete(
             max_tokens=prep.params.max_tokens or 0,
         )
         stack.callback(prep.admitted.close)
+        if is_adapter:
+            await _adapter_call(gw.adapters.prefetch(body.model), body.model)
         if body.stream:
             # From here the response owns the queue slot (and the lease it takes); it releases
             # both.

@@ -135,9 +135,11 @@ def make_cold(server: ServerProcess, name: str, source: str) -> None:
     assert evicted.json()["tier"] == "s3", evicted.text
 
 
-def chat(server: ServerProcess, model: str, max_tokens: int = 8) -> httpx.Response:
+def chat(
+    server: ServerProcess, model: str, max_tokens: int = 8, stream: bool = False
+) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": "Name a color."}],
-            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream}  # fmt: skip
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -207,10 +209,11 @@ def test_s3_failure_is_a_503_naming_the_adapter(cluster: Cluster) -> None:
     eventually(lambda: sees(b, "flaky-bot"))
     cluster.proxy.fail(1000, 500, "InternalError")
     try:
-        failed = chat(b, "flaky-bot")
-        assert failed.status_code == 503, failed.text
-        error = failed.json()["error"]
-        assert "`flaky-bot`" in error["message"] and error["code"] == "adapter_unavailable"
+        for stream in (False, True):  # a stream too: the fetch comes before its first byte
+            failed = chat(b, "flaky-bot", stream=stream)
+            assert failed.status_code == 503, failed.text
+            error = failed.json()["error"]
+            assert "`flaky-bot`" in error["message"] and error["code"] == "adapter_unavailable"
         assert chat(b, "demo-attn").status_code == 200  # other adapters keep serving
     finally:
         cluster.proxy.clear()
