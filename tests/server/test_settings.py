@@ -47,10 +47,22 @@ def test_config_errors_never_print_api_keys(tenancy: dict, named: str) -> None:
     assert named in message and "secret" not in message
 
 
-def test_config_errors_never_print_the_admin_token() -> None:
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ({"http": {"admin_token": ["not-a-string-secret"]}}, "http.admin_token"),
+        ({"http": {"admin-token": "misspelt-secret-0123456789"}}, "http.admin-token"),
+        ({"tenancy": {"tenants": [{"id": "a", "api_key": "misspelt-secret-0123456789"}]}},
+         "tenancy.tenants.0.api_key"),
+    ],
+    ids=["wrong-type", "misspelt-token", "misspelt-key"],
+)  # fmt: skip
+def test_config_errors_never_print_the_admin_token_or_a_misspelt_secret(
+    section: dict, named: str
+) -> None:
     with pytest.raises(ConfigError) as e:
-        load_settings(http={"admin_token": ["not-a-string-secret"]})
-    assert "http.admin_token" in str(e.value) and "secret" not in str(e.value)
+        load_settings(**section)
+    assert named in str(e.value) and "secret" not in str(e.value)
 
 
 def test_largest_adapter_must_fit_the_disk_cache() -> None:
