@@ -106,6 +106,13 @@ class DiskCache:
         lock_wait_s: float = LOCK_WAIT_S,
     ) -> None:
         self._lock_fd: int | None = _lock_folder(root, lock_wait_s)
+        try:
+            self._open(root, capacity_bytes, metrics)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, root: Path, capacity_bytes: int, metrics: RegistryMetrics) -> None:
         self.capacity_bytes = capacity_bytes
         self._versions = root / "versions"
         self._tmp = root / "tmp"
@@ -162,9 +169,8 @@ class DiskCache:
         with self._lock:
             if version not in self._index:
                 return None
-            if not (self.path(version) / MANIFEST).is_file():  # removed behind our back
-                del self._index[version]
-                self._publish()
+            if self._check_folder(self.path(version)) is None:  # damaged behind our back
+                self._discard(version)
                 return None
             self._index.move_to_end(version)
         return self.path(version)
@@ -224,6 +230,7 @@ class DiskCache:
                 self._index.move_to_end(version)
                 return self.path(version)
             self._make_room(size)
+            self._delete_folder(version)  # a leftover not in the index (damaged, discarded)
             os.rename(folder, self.path(version))
             _fsync_dir(self._versions)
             self._index[version] = size
@@ -246,13 +253,25 @@ class DiskCache:
             raise CacheError("disk cache is full of adapters in use; try again shortly")
 
     def _remove(self, version: str) -> None:
-        # Rename first so a reader never sees a half-deleted folder under versions/.
-        doomed = self._tmp / f"evict-{version}"
-        os.rename(self.path(version), doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        self._delete_folder(version)
         del self._index[version]
         self._metrics.evictions.labels("disk").inc()
         self._publish()
+
+    def _discard(self, version: str) -> None:
+        """Drop a version whose folder is damaged or gone (not an eviction)."""
+        self._delete_folder(version)
+        del self._index[version]
+        self._publish()
+
+    def _delete_folder(self, version: str) -> None:
+        # Rename first so a reader never sees a half-deleted folder under versions/.
+        doomed = self._tmp / f"evict-{version}"
+        try:
+            os.rename(self.path(version), doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def evict(self, version: str) -> bool:
         """Remove `version` unless absent or in use; True if it was removed."""

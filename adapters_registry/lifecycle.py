@@ -61,7 +61,11 @@ async def build_registry(
         settings, store=store, cache=cache, tiers=tiers, spec=spec,
         max_lora_rank=max_lora_rank, metrics=metrics,
     )  # fmt: skip
-    await registry.refresh()
+    try:
+        await registry.refresh()
+    except BaseException:
+        cache.close()  # the next start (a retry, a test) may take the folder
+        raise
     return registry
 
 
@@ -95,14 +99,16 @@ async def open_adapter_source(
         max_lora_rank=max_lora_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
         cache_root=cache_root, metrics_registry=metrics_registry,
     )  # fmt: skip
-    folder = settings.local_dir or seed_dir
-    if folder is not None:
-        await seed(registry, folder)
-    poller = asyncio.create_task(registry.poll_forever(), name="registry-poll")
     try:
-        yield registry
+        folder = settings.local_dir or seed_dir
+        if folder is not None:
+            await seed(registry, folder)
+        poller = asyncio.create_task(registry.poll_forever(), name="registry-poll")
+        try:
+            yield registry
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
     finally:
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
         registry.cache.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,10 +86,22 @@ def test_one_process_owns_a_cache_folder(tmp_path: Path) -> None:
     make_cache(tmp_path, 1000).close()
 
 
-def test_a_version_removed_behind_the_cache_is_a_miss_not_a_stale_hit(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda folder: shutil.rmtree(folder),
+        lambda folder: (folder / "files.json").unlink(),
+        lambda folder: (folder / "adapter_model.safetensors").unlink(),
+        lambda folder: (folder / "adapter_model.safetensors").write_bytes(b"x"),
+    ],
+    ids=["folder-gone", "manifest-gone", "weights-gone", "weights-short"],
+)
+def test_a_version_damaged_behind_the_cache_is_a_miss_then_installs_again(
+    tmp_path: Path, damage: Callable[[Path], object]
+) -> None:
     cache = make_cache(tmp_path, 1000)
     fetch(cache, "v", b"x" * 100)
-    shutil.rmtree(tmp_path / "versions" / "v")
+    damage(tmp_path / "versions" / "v")
     assert cache.lookup("v") is None and cache.used_bytes == 0
-    fetch(cache, "v", b"x" * 100)  # installs again
-    assert cache.lookup("v") is not None
+    fetch(cache, "v", b"x" * 100)  # installs again, over whatever was left
+    assert cache.lookup("v") is not None and cache.used_bytes == 100
