@@ -3,7 +3,9 @@
 `authenticate` maps a bearer key to its tenant. While no tenant anywhere has a key, the server is in
 open mode: every request belongs to the open tenant `default` (the embedded default's single-user
 setup). The admin token is never a tenant key, in either mode. Once keys exist, deleting the last
-tenant that has one is refused: it would open /v1 to everyone without a word.
+tenant that has one is refused: it would open /v1 to everyone without a word. The check sees this
+replica's view of the store: two replicas deleting the last two keyed tenants at the same moment
+can still both succeed (the store has no condition on a delete).
 
 Reads of the store and the admin changes take turns (`_lock`): a poll that read the store before a
 key rotation must not put the old keys back, and each change starts from the store's current

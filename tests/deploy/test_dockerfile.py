@@ -35,6 +35,10 @@ def test_dockerfile_runs_as_non_root_with_a_healthcheck_on_health() -> None:
     assert re.search(r'^ENTRYPOINT \["loraplex", "serve"\]', text, re.M)
 
 
+def version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
 def test_base_image_and_gpu_extra_are_the_release_the_kernel_plugin_supports() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
     pinned = re.search(r'gpu = \["vllm>=([0-9.]+),<([0-9.]+)"\]', pyproject)
@@ -43,6 +47,5 @@ def test_base_image_and_gpu_extra_are_the_release_the_kernel_plugin_supports() -
     lowest, below = pinned.groups()
     assert base.group(1).startswith(SUPPORTED_VLLM) and base.group(1).startswith(lowest)
     # The extra admits nothing the plugin refuses: its range ends where the next release starts.
-    assert all(v.startswith(lowest) for v in SUPPORTED_VLLM) and not below.startswith(
-        SUPPORTED_VLLM
-    )
+    assert all(v.startswith(lowest) for v in SUPPORTED_VLLM)
+    assert version(lowest) < version(below) and not below.startswith(SUPPORTED_VLLM)
