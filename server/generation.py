@@ -135,8 +135,8 @@ async def _deltas(
         stream = prep.admitted.generate(
             gw.engine, prep.prompt_ids, prep.params, adapter, prep.meta.id
         )
-        async with aclosing(stream):
-            async for delta in _choice_deltas(gw, body, stream, choices):
+        async with aclosing(stream), aclosing(_choice_deltas(gw, body, stream, choices)) as it:
+            async for delta in it:
                 yield delta
 
 
