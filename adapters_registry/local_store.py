@@ -61,12 +61,14 @@ class LocalStore:
         except FileNotFoundError as e:
             raise ObjectMissing(key) from e
 
-    def list_keys(self, prefix: str, start_after: str = "") -> list[str]:
+    def list_keys(self, prefix: str, start_after: str = "", *, nested: bool = True) -> list[str]:
         base = self._path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
         keys = []
-        for dirpath, _, files in os.walk(base):
+        for dirpath, dirs, files in os.walk(base):
+            if not nested:
+                dirs.clear()  # this folder's files only
             for f in files:
                 if f.startswith(".tmp-"):
                     continue

@@ -107,11 +107,13 @@ class S3Store:
         except _FAILURES as e:
             raise _translate(e, key) from e
 
-    def list_keys(self, prefix: str, start_after: str = "") -> list[str]:
+    def list_keys(self, prefix: str, start_after: str = "", *, nested: bool = True) -> list[str]:
         full_prefix = self._key(prefix)
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix}
         if start_after:
             args["StartAfter"] = self._key(start_after)
+        if not nested:  # S3 folds deeper keys into CommonPrefixes, which are not listed here
+            args["Delimiter"] = "/"
         strip = len(self.prefix) + 1 if self.prefix else 0
         keys: list[str] = []
         try:

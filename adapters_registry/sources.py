@@ -44,7 +44,8 @@ def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
     store = open_source(source, settings)
     try:
         try:
-            top_level = [k for k in store.list_keys("") if "/" not in k]
+            # One folder's files: a source pointed at a bucket's root lists that, not the bucket.
+            top_level = store.list_keys("", nested=False)
         except ObjectMissing as e:
             raise AdapterInvalid(
                 f"source {source} does not exist (no such bucket)", param="source", reason="source"

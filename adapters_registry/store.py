@@ -54,8 +54,9 @@ class ObjectStore(Protocol):
         """Size of an object in bytes. Raises ObjectMissing."""
         ...
 
-    def list_keys(self, prefix: str, start_after: str = "") -> list[str]:
-        """Keys under `prefix` sorted ascending, only those greater than `start_after`."""
+    def list_keys(self, prefix: str, start_after: str = "", *, nested: bool = True) -> list[str]:
+        """Keys under `prefix` sorted ascending, only those greater than `start_after`; with
+        `nested` False only those with no further `/` after the prefix (one folder's files)."""
         ...
 
     def download(self, key: str, dest: Path, progress: Progress | None = None) -> None:

@@ -52,6 +52,9 @@ def test_list_keys_sorted_and_after(store: ObjectStore) -> None:
     store.put_bytes("other/001", b"x")
     assert store.list_keys("log/") == ["log/001", "log/002", "log/003"]
     assert store.list_keys("log/", start_after="log/001") == ["log/002", "log/003"]
+    store.put_bytes("top", b"x")
+    assert store.list_keys("", nested=False) == ["top"]
+    assert store.list_keys("log/", nested=False) == ["log/001", "log/002", "log/003"]
 
 
 def test_large_file_round_trip_with_progress(store: ObjectStore, tmp_path: Path) -> None:
