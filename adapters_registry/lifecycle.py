@@ -111,4 +111,5 @@ async def open_adapter_source(
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
     finally:
+        registry.stop_background()
         registry.cache.close()

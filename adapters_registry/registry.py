@@ -43,6 +43,10 @@ from loraplex.adapters_registry.tiers import EngineTier, EngineTiers
 log = logging.getLogger(__name__)
 _APPEND_ATTEMPTS = 20
 _FETCH_ATTEMPTS = 2  # a body that fails its hash is fetched once more before giving up
+# How long a reconcile waits for the unpins it starts: an adapter with no request in flight is
+# removed and added back from local disk well within it, so the admin call that unpinned it
+# answers with it unpinned; one with requests in flight finishes in the background.
+UNPIN_SETTLE_S = 5.0
 
 
 class AdapterRegistry:
@@ -67,6 +71,7 @@ class AdapterRegistry:
         self.max_lora_rank = max_lora_rank
         self._loads: SingleFlight[int, None] = SingleFlight()
         self._fetches: SingleFlight[str, None] = SingleFlight()
+        self._unpins: dict[int, asyncio.Task[None]] = {}  # engine id -> unpin under way
         self._sync_lock = asyncio.Lock()
 
     # ---- AdapterSource ----
@@ -86,8 +91,17 @@ class AdapterRegistry:
         """Put `name`'s files on local disk (fetched once however many ask), taking no slot of
         the engine's cache. Raises AdapterNotFound, AdapterUnavailable."""
         record = self.resolve(name)
-        if self.tiers.tier(record.engine_id) is None:  # a loaded one needs nothing: hot path
+        # A loaded one needs nothing (the hot path); nor one on disk, which its load counts.
+        if self.tiers.tier(record.engine_id) is not None or self.cache.contains(record.version):
+            return
+        try:
             await self._on_disk(record)
+        except AdapterUnavailable:
+            raise
+        except Exception as e:  # e.g. the disk is full: the client sees a 503, as at load
+            raise AdapterUnavailable(
+                f"adapter `{record.name}` could not be fetched: {e}", param="model"
+            ) from e
 
     @asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[ServableAdapter]:
@@ -227,13 +241,15 @@ class AdapterRegistry:
                 record = self.catalog.versions(name)[entry.version]
                 wanted[record.engine_id] = record
         # Unpins first: a pinned name moved to a new version frees its old slot for the new one
-        # (once the old one's requests end, within delete_drain_s; else at a later reconcile).
-        for engine_id in self.tiers.pinned_ids() - wanted.keys():
-            try:
-                await self.tiers.unpin(engine_id, self.settings.delete_drain_s)
-            except Exception as e:  # unpinned, but not added back: the next request loads it
-                log.warning("unpinned engine id %d was not added back to the CPU cache: %s",
-                            engine_id, e)  # fmt: skip
+        # (at once if no request is in flight on the old one; else when they end).
+        for engine_id in wanted.keys() & self._unpins.keys():  # pinned again meanwhile
+            self._unpins.pop(engine_id).cancel()
+        started = [
+            self._start_unpin(engine_id)
+            for engine_id in self.tiers.pinned_ids() - wanted.keys() - self._unpins.keys()
+        ]
+        if started:
+            await asyncio.wait(started, timeout=UNPIN_SETTLE_S)
         for engine_id, record in wanted.items():
             if engine_id in self.tiers.pinned_ids():
                 continue
@@ -241,6 +257,26 @@ class AdapterRegistry:
                 await self._pin_record(record)
             except AdapterError as e:  # one bad pin must not stop the others or the poll
                 log.warning("cannot pin `%s` on this replica: %s", record.name, e.message)
+
+    def _start_unpin(self, engine_id: int) -> asyncio.Task[None]:
+        async def unpin() -> None:
+            try:
+                await self.tiers.unpin(engine_id)
+            except Exception as e:  # unpinned, but not added back: the next request loads it
+                log.warning("unpinned engine id %d was not added back to the CPU cache: %s",
+                            engine_id, e)  # fmt: skip
+            finally:
+                if self._unpins.get(engine_id) is task:
+                    del self._unpins[engine_id]
+
+        task = asyncio.create_task(unpin(), name=f"unpin-{engine_id}")
+        self._unpins[engine_id] = task
+        return task
+
+    def stop_background(self) -> None:
+        """Cancel the unpins still waiting for their adapter to go idle (at shutdown)."""
+        for task in self._unpins.values():
+            task.cancel()
 
     async def poll_forever(self) -> None:
         while True:

@@ -7,7 +7,7 @@ is removed; when every slot is busy, a load waits for a request to finish. Pins 
 `max_loras` (vLLM needs a free GPU slot for unpinned adapters): pins and unpins take turns, so two
 at once cannot both pass the limit check. An adapter leaves the engine only with no request in
 flight on it: vLLM would load a removed adapter back by itself for a running request, behind
-this view's back.
+this view's back; an unpin waits for such a moment without holding any request up.
 
 All methods run on the event loop; `add_lora` awaits the engine.
 """
@@ -175,51 +175,39 @@ class EngineTiers:
         self._metrics.loads.labels("gpu").inc()
         self._publish()
 
-    async def unpin(self, engine_id: int, drain_s: float) -> bool:
-        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache,
-        once no request is in flight on it. New requests for it wait meanwhile (up to `drain_s`
-        for the running ones to end, then the re-add). False, and still pinned, if they have
-        not ended by then: the caller tries again (the registry at its next reconcile)."""
-        async with self._pinning:
+    async def unpin(self, engine_id: int) -> None:
+        """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache.
+        vLLM would load a removed adapter back by itself for a running request, so this waits,
+        holding up nothing, for a moment with no request in flight on it (on a hot adapter that
+        can take long: callers run it as a task). Returns at once if it is not pinned."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._unpinnable(engine_id))
             slot = self._slots.get(engine_id)
             if slot is None or slot.tier is not EngineTier.GPU:
-                return True
-            slot.draining = True
-            try:
-                drained = await self._drained(slot, drain_s)
-            finally:
-                slot.draining = False
-            if not drained:
-                async with self._changed:
-                    self._changed.notify_all()  # the loads waiting on the drain take leases
-                return False
-            # From here no lease can be taken (LOADING), and a load of it waits for the end.
-            slot.tier = EngineTier.LOADING
-            try:
-                await self._engine.remove_lora(engine_id)
-                await self._engine.add_lora(slot.adapter)
-            except BaseException:
-                del self._slots[engine_id]  # back to disk only; the next request loads it again
-                raise
-            else:
+                return
+            slot.draining = True  # set where leases were 0: no lease can be taken from here
+        try:
+            async with self._pinning:  # still counted as pinned until it leaves the GPU slot
+                if self._slots.get(engine_id) is not slot:  # evicted meanwhile
+                    return
+                slot.tier = EngineTier.LOADING
+                try:
+                    await self._engine.remove_lora(engine_id)
+                    await self._engine.add_lora(slot.adapter)
+                except BaseException:
+                    self._slots.pop(engine_id, None)  # on disk only; the next request loads it
+                    raise
                 slot.tier = EngineTier.CPU
                 self._metrics.evictions.labels("gpu").inc()
-            finally:
-                self._publish()
-                async with self._changed:
-                    self._changed.notify_all()
-            return True
+        finally:
+            slot.draining = False
+            self._publish()
+            async with self._changed:
+                self._changed.notify_all()  # the loads waiting for it
 
-    async def _drained(self, slot: _Slot, drain_s: float) -> bool:
-        """Whether `slot` has no lease within `drain_s` seconds."""
-        if slot.leases == 0:
-            return True
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: slot.leases == 0), drain_s)
-            except TimeoutError:
-                return False
-        return True
+    def _unpinnable(self, engine_id: int) -> bool:
+        slot = self._slots.get(engine_id)
+        return slot is None or slot.tier is not EngineTier.GPU or slot.leases == 0
 
     async def evict(self, engine_id: int, drain_s: float) -> bool:
         """Remove from the engine once no request holds it (waiting up to `drain_s`)."""
@@ -233,8 +221,8 @@ class EngineTiers:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except TimeoutError:
                     return False
-            if engine_id not in self._slots or self.tier(engine_id) is EngineTier.LOADING:
-                return False
+            if engine_id not in self._slots or not self._settled(self._slots[engine_id]):
+                return False  # being added, or being unpinned (then evictable once it is done)
             await self._remove(engine_id)
             self._changed.notify_all()
             return True

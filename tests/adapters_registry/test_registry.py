@@ -223,6 +223,23 @@ async def test_unpin_whose_files_left_the_disk_answers_and_the_next_request_relo
     assert reg.info("bot").tier == "cpu"
 
 
+async def test_unpinning_a_busy_adapter_answers_and_ends_when_it_goes_idle(rig: Rig) -> None:
+    engine = FakeEngine()
+    reg = await rig.registry("a", engine)
+    info = await reg.register("bot", rig.source("bot"), pinned=True)
+    async with reg.lease("bot"):  # a request in flight
+        unpinned = await reg.set_pinned("bot", False)  # answers after UNPIN_SETTLE_S at most
+        assert not unpinned.pinned and engine.pinned == {info.engine_id}
+        pinned = await reg.set_pinned("bot", True)  # pinned again: the pending unpin is off
+        assert pinned.pinned
+    await asyncio.sleep(0.1)
+    assert engine.pinned == {info.engine_id} and reg.info("bot").tier == "gpu"
+    async with reg.lease("bot"):
+        await reg.set_pinned("bot", False)
+    await asyncio.sleep(0.1)  # the request ended: removed and added back, unpinned
+    assert engine.pinned == set() and reg.info("bot").tier == "cpu"
+
+
 async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
     a, b_engine = await rig.registry("a"), FakeEngine()
     b = await rig.registry("b", b_engine)

@@ -81,7 +81,7 @@ async def test_pins_stay_below_max_loras_and_unpin_keeps_cpu(tmp_path: Path) -> 
     assert engine.pinned == {1} and tiers.tier(1) is EngineTier.GPU
     with pytest.raises(AdapterConflict, match="max_loras"):
         await tiers.pin(2)
-    assert await tiers.unpin(1, drain_s=0)
+    await tiers.unpin(1)
     assert engine.pinned == set() and tiers.tier(1) is EngineTier.CPU and 1 in engine.loaded
 
 
@@ -96,27 +96,46 @@ async def test_two_pins_at_once_cannot_both_pass_the_limit(tmp_path: Path) -> No
     assert sum(isinstance(r, AdapterConflict) for r in results) == 1
 
 
-async def test_unpin_drains_in_flight_requests_and_loads_wait_for_it(tmp_path: Path) -> None:
+async def test_unpin_waits_for_no_request_in_flight_and_holds_none_up(tmp_path: Path) -> None:
     engine = FakeEngine(load_delay_s=0.05)
     tiers = make(engine, max_cpu=3, max_pinned=1)
     (a1,) = adapters(tmp_path, 1)
     await tiers.load(a1, 100)
     await tiers.pin(1)
     assert tiers.try_hold(1)  # a running request
-    # vLLM would load a removed adapter back by itself for the running request: the unpin
-    # waits for it, and gives up (still pinned, leases open again) if it runs past the drain.
-    assert not await tiers.unpin(1, drain_s=0.05)
-    assert tiers.tier(1) is EngineTier.GPU and engine.pinned == {1}
-    unpinning = asyncio.create_task(tiers.unpin(1, drain_s=5))
+    unpinning = asyncio.create_task(tiers.unpin(1))
+    await asyncio.sleep(0.02)
+    # vLLM would load a removed adapter back by itself for the running request: still pinned,
+    # and a new request is served at once.
+    assert not unpinning.done() and engine.pinned == {1}
+    assert tiers.try_hold(1)
+    await tiers.release(1)
+    await asyncio.sleep(0.02)
+    assert not unpinning.done()  # the second request still runs
+    await tiers.release(1)  # none in flight: removed, being added back
     await asyncio.sleep(0.01)
-    assert not tiers.try_hold(1)  # draining: a new request waits for the unpin
-    waiting = asyncio.create_task(tiers.load(a1, 100))
-    await asyncio.sleep(0.01)
-    assert not waiting.done() and engine.pinned == {1}
-    await tiers.release(1)  # the running request ends: removed, added back unpinned
-    await asyncio.wait_for(waiting, 2)  # returns once it is back, adding nothing itself
+    assert tiers.tier(1) is EngineTier.LOADING and not tiers.try_hold(1)
+    await asyncio.wait_for(tiers.load(a1, 100), 1)  # waits for the re-add, adds nothing itself
     assert tiers.tier(1) is EngineTier.CPU and engine.add_calls == 2
-    assert await unpinning and engine.pinned == set() and tiers.leases(1) == 0
+    await asyncio.wait_for(unpinning, 1)
+    assert engine.pinned == set() and tiers.leases(1) == 0
+
+
+async def test_an_unpin_and_an_evict_waiting_on_one_adapter_leave_the_view_true(
+    tmp_path: Path,
+) -> None:
+    engine = FakeEngine()
+    tiers = make(engine, max_cpu=3, max_pinned=1)
+    (a1,) = adapters(tmp_path, 1)
+    await tiers.load(a1, 100)
+    await tiers.pin(1)
+    assert tiers.try_hold(1)
+    unpinning = asyncio.create_task(tiers.unpin(1))
+    evicting = asyncio.create_task(tiers.evict(1, drain_s=5))
+    await asyncio.sleep(0.01)
+    await tiers.release(1)  # both wake
+    await asyncio.wait_for(asyncio.gather(unpinning, evicting), 2)
+    assert tiers.loaded_ids() == set(engine.loaded) and engine.pinned == set()
 
 
 async def test_reconcile_keeps_a_load_that_ends_while_the_engine_answers(tmp_path: Path) -> None:
