@@ -114,6 +114,8 @@ class S3Store:
             args["StartAfter"] = self._key(start_after)
         if not nested:  # S3 folds deeper keys into CommonPrefixes, which are not listed here
             args["Delimiter"] = "/"
+            if prefix and not prefix.endswith("/"):  # `prefix` names a folder, as locally
+                args["Prefix"] = full_prefix + "/"
         strip = len(self.prefix) + 1 if self.prefix else 0
         keys: list[str] = []
         try:

@@ -9,8 +9,9 @@ The lease comes after the queue wait: a queued request that held a lease would k
 in the engine's CPU cache, and once the requests holding the engine slots all wait for a cache
 slot, nobody moves again (two engine slots, two cache slots: two running requests for a cold
 adapter wait on two queued ones for cached adapters, which wait for the engine slots). The fetch
-comes before the wait: it holds no cache slot, its errors are still a status before any stream
-byte, and a download does not keep an engine slot idle.
+comes before the wait: it holds no cache slot, and its errors are still a status before any
+stream byte. (The queue grants a free engine slot at admission, so a request may hold one during
+its adapter's download, as it did before.)
 
 The engine request is aborted if the client goes away. Streaming: `_ClosingStream` closes the
 body iterator whatever ends the response (Starlette cancels it on disconnect but never closes a

@@ -65,6 +65,12 @@ def test_config_errors_never_print_the_admin_token_or_a_misspelt_secret(
     assert named in str(e.value) and "secret" not in str(e.value)
 
 
+def test_a_bad_token_count_still_shows_its_value() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(tenancy={"tenants": [{"id": "a", "quotas": {"tokens_per_minute": -5}}]})
+    assert "tokens_per_minute" in str(e.value) and "(got -5)" in str(e.value)
+
+
 def test_largest_adapter_must_fit_the_disk_cache() -> None:
     with pytest.raises(ConfigError) as e:
         load_settings(registry={"disk_cache_gib": 1, "max_adapter_mib": 2048})
