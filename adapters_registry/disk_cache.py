@@ -10,7 +10,7 @@ The index lives in this process, so one process owns a cache folder: it holds an
 on `root/.lock` until `close`. A second process on the same folder would serve hits for folders the
 first evicted, clash on installs, and empty the first's downloads in progress at its start; it
 waits LOCK_WAIT_S for the owner to exit (a restart right after a crash), then refuses to start.
-A version folder removed behind the cache's back is dropped from the index at its next lookup.
+A version damaged behind the cache's back (files gone or short) is dropped at its next lookup.
 
 Blocking; called from worker threads. A lock guards the index. Versions in use (being loaded
 into the engine) are not evicted.
@@ -253,10 +253,8 @@ class DiskCache:
             raise CacheError("disk cache is full of adapters in use; try again shortly")
 
     def _remove(self, version: str) -> None:
-        self._delete_folder(version)
-        del self._index[version]
+        self._discard(version)
         self._metrics.evictions.labels("disk").inc()
-        self._publish()
 
     def _discard(self, version: str) -> None:
         """Drop a version whose folder is damaged or gone (not an eviction)."""

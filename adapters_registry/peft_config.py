@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
@@ -67,7 +67,7 @@ def _check_features(config: dict[str, Any]) -> None:
 
 def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
     r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not _is_int(r) or r < 1:
         raise invalid("bad_config", f"{CONFIG_FILE}: r must be a positive integer, got {r!r}", "r")
     if r > max_lora_rank:
         raise invalid("rank", f"rank r={r} exceeds max_lora_rank={max_lora_rank}", "r")
@@ -78,7 +78,7 @@ def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
         )
     _check_patterns(pattern, "rank_pattern")
     for key, value in pattern.items():
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_lora_rank:
+        if not _is_int(value) or not 1 <= value <= max_lora_rank:
             raise invalid(
                 "rank",
                 f"rank_pattern[{key!r}]={value!r} must be an integer in 1..{max_lora_rank} "
@@ -107,6 +107,10 @@ def _check_alpha(config: dict[str, Any]) -> None:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no rank
 
 
 def _check_patterns(patterns: dict[str, Any], param: str) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,19 @@ _FETCH_ATTEMPTS = 2  # a body that fails its hash is fetched once more before gi
 # removed and added back from local disk well within it, so the admin call that unpinned it
 # answers with it unpinned; one with requests in flight finishes in the background.
 UNPIN_SETTLE_S = 5.0
+
+
+@contextmanager
+def _unavailable_on_failure(record: VersionRecord, doing: str) -> Iterator[None]:
+    """Any failure in the block as AdapterUnavailable (a 503 naming the adapter)."""
+    try:
+        yield
+    except AdapterUnavailable:
+        raise
+    except Exception as e:
+        raise AdapterUnavailable(
+            f"adapter `{record.name}` could not be {doing}: {e}", param="model"
+        ) from e
 
 
 class AdapterRegistry:
@@ -94,14 +107,8 @@ class AdapterRegistry:
         # A loaded one needs nothing (the hot path); nor one on disk, which its load counts.
         if self.tiers.tier(record.engine_id) is not None or self.cache.contains(record.version):
             return
-        try:
+        with _unavailable_on_failure(record, "fetched"):  # e.g. the disk is full: a 503
             await self._on_disk(record)
-        except AdapterUnavailable:
-            raise
-        except Exception as e:  # e.g. the disk is full: the client sees a 503, as at load
-            raise AdapterUnavailable(
-                f"adapter `{record.name}` could not be fetched: {e}", param="model"
-            ) from e
 
     @asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[ServableAdapter]:
@@ -133,16 +140,10 @@ class AdapterRegistry:
             await self._loads.do(record.engine_id, lambda: self._make_resident(record))
 
     async def _make_resident(self, record: VersionRecord) -> None:
-        try:
+        with _unavailable_on_failure(record, "loaded"):
             await self._on_disk(record)
             with self.cache.in_use(record.version):
                 await self.tiers.load(self._servable(record), record.size_bytes)
-        except AdapterUnavailable:
-            raise
-        except Exception as e:
-            raise AdapterUnavailable(
-                f"adapter `{record.name}` could not be loaded: {e}", param="model"
-            ) from e
 
     async def _on_disk(self, record: VersionRecord) -> None:
         await self._fetches.do(record.version, lambda: self._ensure_on_disk(record))

@@ -110,7 +110,7 @@ class EngineTiers:
 
     async def load(self, adapter: ServableAdapter, size: int) -> None:
         """Add `adapter` to the engine's CPU cache, evicting or waiting for room. Idempotent;
-        while the adapter is being unpinned (drained, then added back), waits for that to end."""
+        while the adapter is being added back by `unpin`, waits for that to end."""
         if adapter.engine_id in self._slots:
             async with self._changed:
                 await self._changed.wait_for(
@@ -158,22 +158,20 @@ class EngineTiers:
     async def pin(self, engine_id: int) -> None:
         """Pin a loaded adapter to a GPU slot. Raises AdapterConflict past the pin limit."""
         async with self._pinning:
-            await self._pin(self._slots[engine_id])
-
-    async def _pin(self, slot: _Slot) -> None:
-        if slot.tier is EngineTier.GPU:
-            return
-        if len(self.pinned_ids()) >= self._max_pinned:
-            raise AdapterConflict(
-                f"cannot pin `{slot.adapter.name}`: {self._max_pinned} adapters are pinned "
-                f"already, the most engine.max_loras ({self._max_pinned + 1}) allows "
-                "(one GPU slot stays free)",
-                param="pinned",
-            )
-        await self._engine.pin_lora(slot.adapter.engine_id)
-        slot.tier = EngineTier.GPU
-        self._metrics.loads.labels("gpu").inc()
-        self._publish()
+            slot = self._slots[engine_id]
+            if slot.tier is EngineTier.GPU:
+                return
+            if len(self.pinned_ids()) >= self._max_pinned:
+                raise AdapterConflict(
+                    f"cannot pin `{slot.adapter.name}`: {self._max_pinned} adapters are pinned "
+                    f"already, the most engine.max_loras ({self._max_pinned + 1}) allows "
+                    "(one GPU slot stays free)",
+                    param="pinned",
+                )
+            await self._engine.pin_lora(engine_id)
+            slot.tier = EngineTier.GPU
+            self._metrics.loads.labels("gpu").inc()
+            self._publish()
 
     async def unpin(self, engine_id: int) -> None:
         """vLLM has no unpin: remove the adapter and add it back, unpinned, to the CPU cache.

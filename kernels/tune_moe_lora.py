@@ -67,17 +67,15 @@ def candidates(
     configs took what they take alone (a throwaway probe of the plugin's side-stream order on
     the H200, 2026-11-24: Qwen3 gate/up at 64 tokens 142.6 us split against 141.4 fused).
     """
-    bk = 128 if k >= 256 else 64
-    out = _all_candidates(k, num_pairs, slices, naive, bk)
+    out = _all_candidates(k, num_pairs, slices, naive)
     if fused_activation and num_pairs >= PREFILL_MIN_PAIRS:
         out = [c for c in out if c.variant != "fused"]
     return out
 
 
-def _all_candidates(
-    k: int, num_pairs: int, slices: int, naive: bool, bk: int
-) -> list[MoeLoraConfig]:
+def _all_candidates(k: int, num_pairs: int, slices: int, naive: bool) -> list[MoeLoraConfig]:
     """`candidates` before the activation's filter."""
+    bk = 128 if k >= 256 else 64
     out = [
         MoeLoraConfig("fused", bk, 128),
         MoeLoraConfig("fused", bk, 64),

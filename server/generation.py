@@ -25,10 +25,10 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from contextlib import AsyncExitStack, aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import AsyncExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,7 +61,6 @@ from loraplex.server.tenancy.service import Admitted, Tenancy
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-T = TypeVar("T")
 # nginx's code for "client closed request": what the access log records for a client that left.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -143,14 +142,16 @@ async def _deltas(
 
 async def _lease(stack: AsyncExitStack, gw: Gateway, model: str) -> ServableAdapter:
     """The adapter, held until `stack` closes."""
-    return await _adapter_call(stack.enter_async_context(gw.adapters.lease(model)), model)
+    with _as_client_errors(model):
+        return await stack.enter_async_context(gw.adapters.lease(model))
 
 
-async def _adapter_call(call: Awaitable[T], model: str) -> T:
-    """`call`'s result; the registry's errors as the client sees them (an adapter unregistered
-    since `complete` checked it is not found)."""
+@contextmanager
+def _as_client_errors(model: str) -> Iterator[None]:
+    """The registry's errors in the block as the client sees them: an adapter that does not
+    exist (or was unregistered since `complete` checked it) is exactly "model not found"."""
     try:
-        return await call
+        yield
     except AdapterNotFound as e:
         raise ModelNotFound(model) from e
     except AdapterError as e:
@@ -267,10 +268,8 @@ async def complete(
     if is_adapter:
         if not tenant.may_use(body.model):  # another tenant's: exactly "not found"
             raise ModelNotFound(body.model)
-        try:  # before admission: a request for no adapter costs no quota
+        with _as_client_errors(body.model):  # before admission: no adapter, no quota spent
             gw.adapters.resolve(body.model)
-        except AdapterNotFound as e:
-            raise ModelNotFound(body.model) from e
     prep = _prepare(gw, body)
     stack = AsyncExitStack()
     try:
@@ -286,7 +285,8 @@ async def complete(
         )
         stack.callback(prep.admitted.close)
         if is_adapter:
-            await _adapter_call(gw.adapters.prefetch(body.model), body.model)
+            with _as_client_errors(body.model):
+                await gw.adapters.prefetch(body.model)
         if body.stream:
             # From here the response owns the queue slot (and the lease it takes); it releases
             # both.

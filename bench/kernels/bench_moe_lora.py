@@ -267,8 +267,8 @@ def bench_point(
     if ns.tune:
         ns.tuned.setdefault(key.text(), {})[num_pairs] = served
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
-    silu = op == "w13" and shape.activation == "silu"
-    activation = bench_activation(their_args, args, theirs, ours) if silu else {}
+    fused = fuses_activation(shape, op)
+    activation = bench_activation(their_args, args, theirs, ours) if fused else {}
     return activation | {
         "shape": shape.name, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
