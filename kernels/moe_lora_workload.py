@@ -24,6 +24,7 @@ import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -31,6 +32,11 @@ from .moe_lora_configs import serves_block_m, serves_naive
 from .moe_lora_reference import moe_lora_align_reference
 
 AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tuple]
+# How a call's tokens spread over the adapters: round robin (every adapter alike, the issue's
+# benchmark), zipf (adapter i with probability proportional to 1 / (i + 1)) or one adapter on
+# every token. Each set rotates the adapters, so the sets of a timing touch different slots.
+Popularity = Literal["round_robin", "zipf", "one"]
+POPULARITIES: tuple[Popularity, ...] = ("round_robin", "zipf", "one")
 L2_BYTES = 50 * 2**20
 
 
@@ -125,13 +131,16 @@ def make_set(
     device: str,
     align: AlignFn = moe_lora_align_reference,
     naive: bool | None = None,
+    popularity: Popularity = "round_robin",
 ) -> tuple[dict, int]:
-    """Arguments of one call (adapters round robin over tokens, rotated by set; random top-k)
-    and the adapter bytes it must read (`floor_bytes`). The routing form is `naive`'s, or where
-    it is None vLLM's rule's (`naive_form`); a set's tokens and routing do not depend on it."""
+    """Arguments of one call (adapters spread over tokens by `popularity`, rotated by set;
+    random top-k) and the adapter bytes it must read (`floor_bytes`). The routing form is
+    `naive`'s, or where it is None vLLM's rule's (`naive_form`); a set's tokens and routing do
+    not depend on it."""
     gen = torch.Generator().manual_seed(1000 + set_index)
     k = shape.top_k
-    tlm = ((torch.arange(tokens) + set_index) % adapters).to(torch.int32)
+    tlm = (token_slots(popularity, tokens, adapters, gen) + set_index) % adapters
+    tlm = tlm.to(torch.int32)
     scores = torch.rand(tokens, shape.experts, generator=gen)
     topk_ids = scores.topk(k, dim=1).indices.to(torch.int32)
     enabled = torch.ones(adapters + 1, dtype=torch.int32)
@@ -178,14 +187,29 @@ def make_sets(
     device: str,
     align: AlignFn = moe_lora_align_reference,
     naive: bool | None = None,
+    popularity: Popularity = "round_robin",
 ) -> list[tuple[dict, int]]:
     """`make_set` for set 0, 1, ... until the sets' adapter bytes exceed the L2s
     (`sets_needed`): the cold sets a timing rotates over, each with its `floor_bytes`."""
     make = functools.partial(make_set, shape, spec, tokens, adapters, weights=weights,
                              block_m=block_m, dtype=dtype, device=device, align=align,
-                             naive=naive)  # fmt: skip
+                             naive=naive, popularity=popularity)  # fmt: skip
     first = make(set_index=0)
     return [first] + [make(set_index=i) for i in range(1, sets_needed(first[1]))]
+
+
+def token_slots(
+    popularity: Popularity, tokens: int, adapters: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Each token's adapter slot (int64, before the set's rotation) under `popularity`."""
+    if popularity == "round_robin":
+        return torch.arange(tokens)
+    if popularity == "one":
+        return torch.zeros(tokens, dtype=torch.long)
+    if popularity == "zipf":
+        weights = 1.0 / torch.arange(1, adapters + 1, dtype=torch.float)
+        return torch.multinomial(weights, tokens, replacement=True, generator=gen)
+    raise ValueError(f"popularity must be one of {POPULARITIES}, got {popularity!r}")
 
 
 def distinct_slot_experts(

@@ -14,8 +14,9 @@ Times are medians per call in CUDA-graph replay, the graphs replayed in turn
 (`moe_lora_workload.time_interleaved`); "eager" is a plain Python loop of launches. The HBM
 floor is the adapter bytes the call must read once over the device-to-device copy rate measured
 in the same run. With --tune, the config the configs file gave before the tune is timed in the
-same interleaved run ("was", prev_us). Writes JSON rows (machine, commit, config) and prints a
-table.
+same interleaved run ("was", prev_us). --popularity spreads the tokens over the adapters other
+than round robin (`moe_lora_workload.token_slots`): zipf, or one adapter on every token. Writes
+JSON rows (machine, commit, config, popularity) and prints a table.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.moe_lora_reference import sorted_form_size
 from loraplex.kernels.moe_lora_workload import (
     BATCHES,
+    POPULARITIES,
     SHAPES,
     CallSpec,
     MoeShape,
@@ -193,7 +195,7 @@ def bench_point(
 
     def make(block: int, naive: bool) -> list[tuple[dict, int]]:
         return make_sets(shape, spec, tokens, ns.adapters, weights, block, ns.dtype, "cuda",
-                         align, naive=naive)  # fmt: skip
+                         align, naive=naive, popularity=ns.popularity)  # fmt: skip
 
     vllm_naive = naive_form(shape, tokens, ns.adapters)
     our_naive = served_naive(shape, tokens, ns.adapters)
@@ -300,6 +302,8 @@ def main() -> None:
                         help="who builds the sorted routing form (vLLM's op reads it, and ours "
                              "where the plugin does not give it the naive form)")  # fmt: skip
     parser.add_argument("--shape-ops", nargs="+", default=["w13", "w2"])
+    parser.add_argument("--popularity", choices=POPULARITIES, default="round_robin",
+                        help="how tokens spread over the adapters (moe_lora_workload)")  # fmt: skip
     ns = parser.parse_args()
     ns.tuned = {}  # shape key -> num pairs -> MoeLoraConfig
     ns.dtype = torch.bfloat16
@@ -315,7 +319,8 @@ def main() -> None:
             for tokens in ns.batches:
                 row = bench_point(shape, op, tokens, weights, bw, ns)
                 row.update(machine=gpu, commit=ns.commit, copy_tb_s=bw / 1e12, rank=ns.rank,
-                           adapters=ns.adapters, dtype="bfloat16", align=ns.align)  # fmt: skip
+                           adapters=ns.adapters, dtype="bfloat16", align=ns.align,
+                           popularity=ns.popularity)  # fmt: skip
                 rows.append(row)
                 form = row["form"] + (str(row["block_m"]) if row["block_m"] else "")
                 print(f"{name:14s} {op:3s} T={tokens:6d} {form:8s} vllm "
