@@ -46,6 +46,15 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 # before the align it needs and the naive form skips (vLLM's op: 9.8 us at 512 pairs, 16.4 at
 # 2,048, `plugin.ALIGN_MIN_PAIRS`): GPT-OSS stays ahead naive, Qwen3 would gain about 2%, so the
 # bound stays.
+# All of the above spreads the tokens round robin over the adapters. The naive form reads a
+# (slot, expert) once per pair routed to it, so with one adapter on every token it reads the
+# same bytes up to 8 times over (bench_moe_lora --popularity, rows of 040e008: Qwen3 gate/up at
+# 128 tokens 60.7 us against vLLM's 35.3). A layer's LoRA (gate/up + down + our align, which
+# only the sorted form needs), sorted in blocks of 16 over naive, on the H200 (a throwaway probe
+# at 4ce3c7e, this configs file, one run): Qwen3 at 128 tokens 1.16 round robin, 1.05 zipf,
+# 0.58 one adapter (58.2 against 100.2 us); at 64 tokens 1.24, 1.25, 1.04; GPT-OSS at 64 tokens
+# 1.07, 1.03, 0.82. The form is fixed per CUDA-graph batch size, so the plugin cannot follow a
+# step's popularity; the bounds stay, set for batches whose adapters share the slots.
 NAIVE_PAIRS_PER_SLOT_EXPERT = 1
 NAIVE_MAX_PAIRS = 1024
 
