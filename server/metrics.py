@@ -1,11 +1,13 @@
 """Every gateway metric, in one place, with Prometheus naming (`loraplex_` prefix, base units).
 
 Latencies are per tenant and, optionally, per adapter. The adapter label is bounded: the first
-`adapter_label_top_k` adapters seen get their own value, every later one is `other`, and requests
-to the base model are `base`. Labels never change once given, so each series is stable for the life
-of the process and the series count is bounded by tenants x (K + 2). With K = 0 the adapter label
-is left out entirely. vLLM's engine metrics (`vllm:` prefix) live in the default registry and are
-exposed on the same endpoint by the app; this module only defines loraplex's own.
+`adapter_label_top_k` adapters seen get their own value, every later one is `other`, requests
+to the base model are `base`, and requests refused before they reached a model (no valid key, an
+unknown model, a malformed body) are `none`. Labels never change once given, so each series is
+stable for the life of the process and the series count is bounded by tenants x (K + 3). With
+K = 0 the adapter label is left out entirely. vLLM's engine metrics (`vllm:` prefix) live in the
+default registry and are exposed on the same endpoint by the app; this module only defines
+loraplex's own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from loraplex.server.tenancy.record import RequestRecord
 
 BASE_LABEL = "base"
 OTHER_LABEL = "other"
+NO_MODEL_LABEL = "none"
 
 # Buckets cover a CPU demo (TTFT of seconds) and a GPU (tens of milliseconds) alike. Neighbours
 # are at most 1.25x apart where medians are read (TTFT, OTPS), so histogram_quantile's linear
@@ -164,7 +167,10 @@ class GatewayMetrics:
 
     def _labels(self, record: RequestRecord) -> list[str]:
         tenant = record.tenant or "unknown"
-        return [tenant, self._adapters(record.adapter)] if self._per_adapter else [tenant]
+        if not self._per_adapter:
+            return [tenant]
+        # The route sets the model once it resolved one (an adapter that exists, or the base).
+        return [tenant, NO_MODEL_LABEL if record.model is None else self._adapters(record.adapter)]
 
     def observe_rejection(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()

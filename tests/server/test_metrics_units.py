@@ -105,6 +105,29 @@ def test_adapter_label_is_bounded_and_stable() -> None:
     ]
 
 
+def test_requests_refused_before_a_model_are_labelled_none() -> None:
+    """An unknown adapter (404) or a bad key (401) reached no model: not `base`, and no slot
+    of the adapter label's budget either."""
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, adapter_label_top_k=1)
+    unknown = RequestRecord("rid", "POST", "/v1/chat/completions", started=100.0)
+    unknown.tenant, unknown.status, unknown.error_type = "acme", 404, "model_not_found"
+    metrics.observe_request(unknown)
+    metrics.observe_request(finished_record(adapter=None))
+    metrics.observe_request(finished_record(adapter="acme/bot"))
+    text = generate_latest(registry).decode()
+    for adapter, status, error in (
+        ("none", "404", "model_not_found"),
+        ("base", "200", "none"),
+        ("acme/bot", "200", "none"),  # the one adapter slot is still free for it
+    ):
+        series = (
+            f'loraplex_requests_total{{adapter="{adapter}",error_type="{error}",'
+            f'status="{status}",tenant="acme"}} 1.0'
+        )
+        assert series in text
+
+
 def test_adapter_label_can_be_left_out() -> None:
     registry = CollectorRegistry()
     GatewayMetrics(registry, adapter_label_top_k=0).observe_request(finished_record())

@@ -313,3 +313,9 @@ def test_unauthorized_and_rate_limits_are_counted(server: LiveServer) -> None:
         r'tenant="limited"\} [1-9]',
         text,
     )
+    # The 401 reached no model: its adapter label is `none`, not the base model's.
+    assert re.search(
+        r'loraplex_requests_total\{adapter="none",error_type="[a-z_]+",status="401",'
+        r'tenant="unknown"\} [1-9]',
+        text,
+    )
