@@ -31,12 +31,15 @@ class RegistryMetrics:
             "loraplex_adapter_load_seconds", "Seconds to load an adapter into a tier.", ["tier"],
             buckets=_LOAD_BUCKETS, registry=registry,
         )  # fmt: skip
+        # cpu: per request; disk: per load into the cpu tier (one for many requests waiting).
         self.hits = Counter(
-            "loraplex_adapter_cache_hits_total", "Requests that found the adapter in a tier.",
+            "loraplex_adapter_cache_hits_total",
+            "Requests (disk: loads into the cpu tier) that found the adapter in a tier.",
             ["tier"], registry=registry,
         )  # fmt: skip
         self.misses = Counter(
-            "loraplex_adapter_cache_misses_total", "Requests that had to load the adapter first.",
+            "loraplex_adapter_cache_misses_total",
+            "Requests (disk: loads into the cpu tier) that had to load the adapter first.",
             ["tier"], registry=registry,
         )  # fmt: skip
         self.evictions = Counter(

@@ -83,7 +83,10 @@ class AdapterRegistry:
         self.metrics = metrics
         self.max_lora_rank = max_lora_rank
         self._loads: SingleFlight[int, None] = SingleFlight()
-        self._fetches: SingleFlight[str, None] = SingleFlight()
+        self._fetches: SingleFlight[str, bool] = SingleFlight()
+        # Versions a prefetch downloaded that no load has taken from disk yet: that load counts
+        # its request's disk miss, not a hit on the files the prefetch put there.
+        self._fetched_ahead: set[str] = set()
         self._unpins: dict[int, asyncio.Task[None]] = {}  # engine id -> unpin under way
         self._sync_lock = asyncio.Lock()
 
@@ -108,7 +111,8 @@ class AdapterRegistry:
         if self.tiers.tier(record.engine_id) is not None or self.cache.contains(record.version):
             return
         with _unavailable_on_failure(record, "fetched"):  # e.g. the disk is full: a 503
-            await self._on_disk(record)
+            if await self._on_disk(record):
+                self._fetched_ahead.add(record.version)
 
     @asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[ServableAdapter]:
@@ -141,18 +145,22 @@ class AdapterRegistry:
 
     async def _make_resident(self, record: VersionRecord) -> None:
         with _unavailable_on_failure(record, "loaded"):
-            await self._on_disk(record)
+            fetched = await self._on_disk(record)
+            if fetched or record.version in self._fetched_ahead:
+                self._fetched_ahead.discard(record.version)
+                self.metrics.misses.labels("disk").inc()
+            else:
+                self.metrics.hits.labels("disk").inc()
             with self.cache.in_use(record.version):
                 await self.tiers.load(self._servable(record), record.size_bytes)
 
-    async def _on_disk(self, record: VersionRecord) -> None:
-        await self._fetches.do(record.version, lambda: self._ensure_on_disk(record))
+    async def _on_disk(self, record: VersionRecord) -> bool:
+        """Whether the files had to be fetched (by this call or one it joined)."""
+        return await self._fetches.do(record.version, lambda: self._ensure_on_disk(record))
 
-    async def _ensure_on_disk(self, record: VersionRecord) -> None:
+    async def _ensure_on_disk(self, record: VersionRecord) -> bool:
         if self.cache.lookup(record.version) is not None:
-            self.metrics.hits.labels("disk").inc()
-            return
-        self.metrics.misses.labels("disk").inc()
+            return False
         start = time.perf_counter()
 
         def get(entry: Any, dest: Path) -> None:
@@ -174,6 +182,7 @@ class AdapterRegistry:
                         param="model",
                     ) from e
         self.metrics.load_seconds.labels("disk").observe(time.perf_counter() - start)
+        return True
 
     # ---- catalog sync ----
 

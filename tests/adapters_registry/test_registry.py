@@ -83,6 +83,25 @@ async def test_fifty_cold_requests_one_download_one_load(rig: Rig) -> None:
     assert metric(b, "loraplex_adapter_cache_misses_total", tier="cpu") == 50
 
 
+async def test_a_cold_request_counts_one_disk_miss_and_no_hit(rig: Rig) -> None:
+    """The gateway's order: the files are prefetched, then loaded. The load finds on disk what
+    the prefetch fetched, which is still the request's miss; a later load from disk is a hit."""
+    a = await rig.registry("a")
+    await a.register("bot", rig.source("bot"))
+    b = await rig.registry("b")  # an empty disk cache
+    await b.prefetch("bot")
+    async with b.lease("bot"):
+        pass
+    assert metric(b, "loraplex_adapter_cache_misses_total", tier="disk") == 1
+    assert metric(b, "loraplex_adapter_cache_hits_total", tier="disk") == 0
+    await b.evict("bot", "cpu")
+    await b.prefetch("bot")  # on disk: nothing to fetch
+    async with b.lease("bot"):
+        pass
+    assert metric(b, "loraplex_adapter_cache_misses_total", tier="disk") == 1
+    assert metric(b, "loraplex_adapter_cache_hits_total", tier="disk") == 1
+
+
 async def test_replicas_see_each_others_registrations_and_deletions(rig: Rig) -> None:
     a_engine = FakeEngine()
     a, b = await rig.registry("a", a_engine), await rig.registry("b")
