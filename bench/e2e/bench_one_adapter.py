@@ -25,6 +25,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.e2e.bench_e2e import EXPERTS, I_MOE, H, install_entry_point, make_adapter, make_model
 from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
@@ -51,7 +52,7 @@ def run(ns: argparse.Namespace) -> dict:
     rnd = random.Random(0)
     lora = LoRARequest("ad0", 1, str(adapter))
 
-    def prompts() -> list[dict]:
+    def prompts() -> list[Any]:
         return [{"prompt_token_ids": [rnd.randrange(1000, 100000) for _ in range(PROMPT)]}
                 for _ in range(REQUESTS)]  # fmt: skip
 
