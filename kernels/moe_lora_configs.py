@@ -51,37 +51,23 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 # same bytes up to 8 times over (bench_moe_lora --popularity, rows of 040e008: Qwen3 gate/up at
 # 128 tokens 60.7 us against vLLM's 35.3). A layer's LoRA (gate/up + down + our align, which
 # only the sorted form needs), sorted in blocks of 16 over naive, on the H200 (a throwaway probe
-# at 4ce3c7e, this configs file, one run):
-#   round robin / zipf / one adapter: Qwen3 at 128 tokens 1.16 / 1.05 / 0.58 (58.2 against
-#   100.2 us); at 64 tokens 1.24 / 1.25 / 1.04; GPT-OSS at 64 tokens 1.07 / 1.03 / 0.82; at 16
-#   tokens, one adapter (an earlier run of the probe), GPT-OSS sorted took 37.4 against 24.0
-#   naive, Qwen3 46.9 against 21.4.
-# So where the plugin knows how many adapters a batch holds (`plugin._active_loras`: always in
-# eager steps, and in CUDA graphs under vLLM's specialize_active_lora, which captures a graph
-# per count), the naive form also needs at most NAIVE_PAIRS_PER_ACTIVE_SLOT_EXPERT pairs per
-# (active adapter, expert): one adapter sorts Qwen3 from 65 tokens and GPT-OSS from 33, and
-# keeps 16 tokens naive for both.
+# at 4ce3c7e, this configs file, one run): Qwen3 at 128 tokens 1.16 round robin, 1.05 zipf,
+# 0.58 one adapter (58.2 against 100.2 us); at 64 tokens 1.24, 1.25, 1.04; GPT-OSS at 64 tokens
+# 1.07, 1.03, 0.82. The form is fixed per CUDA-graph batch size, so the plugin cannot follow a
+# step's popularity; the bounds stay, set for batches whose adapters share the slots. vLLM's
+# specialize_active_lora captures a graph per adapter count, but 0.26 keys it on the adapters
+# while the kernels' count (`lora_mapping.fill_kernel_meta`, as vLLM's prepare_tensors) also
+# counts the no-adapter id -1, which sorts first: one adapter beside base-model requests
+# replays the one-adapter graph, whose kernels cover id -1 only. loraplex leaves it off.
 NAIVE_PAIRS_PER_SLOT_EXPERT = 1
 NAIVE_MAX_PAIRS = 1024
-NAIVE_PAIRS_PER_ACTIVE_SLOT_EXPERT = 4
 
 
-def serves_naive(
-    num_pairs: int,
-    experts: int,
-    max_loras: int,
-    vllm_naive: bool,
-    active_loras: int | None = None,
-) -> bool:
+def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool) -> bool:
     """Whether a call of num_pairs pairs runs in the naive routing form once the plugin is in:
-    where vLLM's own rule says so, and while the pairs fit the bounds above, those of the
-    batch's active adapters too where their count is known."""
+    where vLLM's own rule says so, and while the pairs fit the bounds above."""
     dense = num_pairs > NAIVE_PAIRS_PER_SLOT_EXPERT * experts * max_loras
-    crowded = (
-        active_loras is not None
-        and num_pairs > NAIVE_PAIRS_PER_ACTIVE_SLOT_EXPERT * experts * active_loras
-    )
-    return vllm_naive or (num_pairs <= NAIVE_MAX_PAIRS and not dense and not crowded)
+    return vllm_naive or (num_pairs <= NAIVE_MAX_PAIRS and not dense)
 
 
 # In the sorted form vLLM pads each (adapter slot, expert) group of pairs to blocks of its MoE

@@ -71,14 +71,6 @@ class EngineSettings(BaseModel):
         2, ge=1, description="KV cache size on CPU engines (VLLM_CPU_KVCACHE_SPACE), in GiB."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (debugging only).")
-    specialize_active_lora: bool = Field(
-        False,
-        description="GPU: vLLM captures a CUDA graph per count of active adapters (powers of 2 up "
-        "to max_loras), and the MoE-LoRA kernels then pick their routing form by the batch's "
-        "adapters: with one adapter on every token, a Qwen3-30B-A3B layer's LoRA at 128 tokens "
-        "took 58 us sorted against 100 in the form 8 adapters favour "
-        "(kernels/moe_lora_configs.py). Costs start-up time and graph memory.",
-    )
     load_format: Literal["auto", "dummy"] = Field(
         "auto",
         description="`dummy`: random weights of the checkpoint's shapes, for benchmarks of a model "
