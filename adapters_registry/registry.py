@@ -85,7 +85,8 @@ class AdapterRegistry:
         self._loads: SingleFlight[int, None] = SingleFlight()
         self._fetches: SingleFlight[str, bool] = SingleFlight()
         # Versions a prefetch downloaded that no load has taken from disk yet: that load counts
-        # its request's disk miss, not a hit on the files the prefetch put there.
+        # its request's disk miss, not a hit on the files the prefetch put there. A version
+        # whose request left before its load stays until its next load: one entry at most.
         self._fetched_ahead: set[str] = set()
         self._unpins: dict[int, asyncio.Task[None]] = {}  # engine id -> unpin under way
         self._sync_lock = asyncio.Lock()

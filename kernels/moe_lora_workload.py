@@ -139,7 +139,9 @@ def make_set(
     not depend on it."""
     gen = torch.Generator().manual_seed(1000 + set_index)
     k = shape.top_k
-    tlm = (token_slots(popularity, tokens, adapters, gen) + set_index) % adapters
+    # The slots draw from their own generator, so every popularity gets the same routing.
+    slot_gen = torch.Generator().manual_seed(2000 + set_index)
+    tlm = (token_slots(popularity, tokens, adapters, slot_gen) + set_index) % adapters
     tlm = tlm.to(torch.int32)
     scores = torch.rand(tokens, shape.experts, generator=gen)
     topk_ids = scores.topk(k, dim=1).indices.to(torch.int32)

@@ -305,6 +305,9 @@ def main() -> None:
     parser.add_argument("--popularity", choices=POPULARITIES, default="round_robin",
                         help="how tokens spread over the adapters (moe_lora_workload)")  # fmt: skip
     ns = parser.parse_args()
+    if ns.tune and ns.popularity != "round_robin":
+        # The configs file's keys hold no popularity: a tune on a skewed load would serve all.
+        parser.error(f"--tune takes the round_robin popularity, not {ns.popularity}")
     ns.tuned = {}  # shape key -> num pairs -> MoeLoraConfig
     ns.dtype = torch.bfloat16
     gpu = torch.cuda.get_device_name()

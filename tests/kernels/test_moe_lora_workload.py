@@ -46,9 +46,11 @@ def test_one_adapter_reads_fewer_bytes_and_keeps_the_routing() -> None:
         pop: make_set(
             shape, spec, 32, 8, 1, weights, 16, torch.float32, "cpu", naive=True, popularity=pop
         )
-        for pop in ("round_robin", "one")
+        for pop in ("round_robin", "zipf", "one")
     }
     (rr_args, rr_bytes), (one_args, one_bytes) = sets["round_robin"], sets["one"]
-    assert torch.equal(rr_args["expert_ids"], one_args["expert_ids"])
+    for args, _ in sets.values():
+        assert torch.equal(args["expert_ids"], rr_args["expert_ids"])
+        assert torch.equal(args["qcurr_hidden_states"], rr_args["qcurr_hidden_states"])
     assert one_args["token_lora_mapping"].unique().tolist() == [1]  # rotated by the set index
     assert one_bytes < rr_bytes
