@@ -58,7 +58,10 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 # specialize_active_lora captures a graph per adapter count, but 0.26 keys it on the adapters
 # while the kernels' count (`lora_mapping.fill_kernel_meta`, as vLLM's prepare_tensors) also
 # counts the no-adapter id -1, which sorts first: one adapter beside base-model requests
-# replays the one-adapter graph, whose kernels cover id -1 only. loraplex leaves it off.
+# replays the one-adapter graph, whose kernels cover id -1 only. Seen on the H200 (stock vLLM,
+# a small random Qwen3-MoE, two requests with an adapter and two without, greedy): with it on,
+# the adapter's requests lost their eager-mode tokens from the first or third token, the base
+# ones kept theirs. loraplex leaves it off.
 NAIVE_PAIRS_PER_SLOT_EXPERT = 1
 NAIVE_MAX_PAIRS = 1024
 
