@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
+from loraplex.adapters_registry.json_values import is_int, is_number
 
 CONFIG_FILE = "adapter_config.json"
 # Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
@@ -67,7 +68,7 @@ def _check_features(config: dict[str, Any]) -> None:
 
 def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
     r = config.get("r")
-    if not _is_int(r) or r < 1:
+    if not is_int(r) or r < 1:
         raise invalid("bad_config", f"{CONFIG_FILE}: r must be a positive integer, got {r!r}", "r")
     if r > max_lora_rank:
         raise invalid("rank", f"rank r={r} exceeds max_lora_rank={max_lora_rank}", "r")
@@ -78,7 +79,7 @@ def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
         )
     _check_patterns(pattern, "rank_pattern")
     for key, value in pattern.items():
-        if not _is_int(value) or not 1 <= value <= max_lora_rank:
+        if not is_int(value) or not 1 <= value <= max_lora_rank:
             raise invalid(
                 "rank",
                 f"rank_pattern[{key!r}]={value!r} must be an integer in 1..{max_lora_rank} "
@@ -91,26 +92,18 @@ def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
 def _check_alpha(config: dict[str, Any]) -> None:
     """vLLM requires lora_alpha and scales by it (alpha / r): a number, as alpha_pattern's are."""
     alpha = config.get("lora_alpha")
-    if not _is_number(alpha):
+    if not is_number(alpha):
         raise invalid(
             "bad_config", f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}",
             "lora_alpha",
         )  # fmt: skip
     pattern = config.get("alpha_pattern") or {}
-    if not isinstance(pattern, dict) or not all(_is_number(v) for v in pattern.values()):
+    if not isinstance(pattern, dict) or not all(is_number(v) for v in pattern.values()):
         raise invalid(
             "bad_config", f"{CONFIG_FILE}: alpha_pattern must map patterns to numbers",
             "alpha_pattern",
         )  # fmt: skip
     _check_patterns(pattern, "alpha_pattern")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no rank
 
 
 def _check_patterns(patterns: dict[str, Any], param: str) -> None:

@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.adapters_registry.json_values import is_int
+
 # A header is names and shapes: 100 MiB is far beyond any adapter (a 30-layer rank-64 adapter
 # on every projection has a 60 KiB header) and keeps a hostile length from allocating gigabytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -72,10 +74,6 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a dimension
-
-
 def _check_layout(file: str, spans: list[tuple[int, int, str]], data_size: int) -> None:
     """The tensors must tile the data exactly, in offset order, as the safetensors library
     requires when vLLM loads the file: a gap, an overlap or trailing bytes pass the per-tensor
@@ -102,9 +100,9 @@ def _check_entry(file: str, name: str, meta: object, data_size: int) -> tuple[Te
     dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
     if dtype not in DTYPE_BYTES:
         raise HeaderError(f"{file}: tensor `{name}` has unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape)):
         raise HeaderError(f"{file}: tensor `{name}` has invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
         raise HeaderError(f"{file}: tensor `{name}` has invalid data_offsets {offsets!r}")
     begin, end = offsets
     expected = math.prod(shape) * DTYPE_BYTES[dtype]

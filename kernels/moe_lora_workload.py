@@ -24,7 +24,7 @@ import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -36,7 +36,7 @@ AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tu
 # benchmark), zipf (adapter i with probability proportional to 1 / (i + 1)) or one adapter on
 # every token. Each set rotates the adapters, so the sets of a timing touch different slots.
 Popularity = Literal["round_robin", "zipf", "one"]
-POPULARITIES: tuple[Popularity, ...] = ("round_robin", "zipf", "one")
+POPULARITIES: tuple[Popularity, ...] = get_args(Popularity)
 L2_BYTES = 50 * 2**20
 
 
