@@ -51,26 +51,44 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 # same bytes up to 8 times over (bench_moe_lora --popularity, rows of 040e008: Qwen3 gate/up at
 # 128 tokens 60.7 us against vLLM's 35.3). A layer's LoRA (gate/up + down + our align, which
 # only the sorted form needs), sorted in blocks of 16 over naive, on the H200 (a throwaway probe
-# at 4ce3c7e, this configs file, one run): Qwen3 at 128 tokens 1.16 round robin, 1.05 zipf,
-# 0.58 one adapter (58.2 against 100.2 us); at 64 tokens 1.24, 1.25, 1.04; GPT-OSS at 64 tokens
-# 1.07, 1.03, 0.82. The form is fixed per CUDA-graph batch size, so the plugin cannot follow a
-# step's popularity; the bounds stay, set for batches whose adapters share the slots. vLLM's
-# specialize_active_lora captures a graph per adapter count, but 0.26 keys it on the adapters
-# while the kernels' count (`lora_mapping.fill_kernel_meta`, as vLLM's prepare_tensors) also
-# counts the no-adapter id -1, which sorts first: one adapter beside base-model requests
-# replays the one-adapter graph, whose kernels cover id -1 only. Seen on the H200 (stock vLLM,
-# a small random Qwen3-MoE, two requests with an adapter and two without, greedy): with it on,
-# the adapter's requests lost their eager-mode tokens from the first or third token, the base
-# ones kept theirs. loraplex leaves it off.
+# at 4ce3c7e, this configs file, one run):
+#   round robin / zipf / one adapter: Qwen3 at 128 tokens 1.16 / 1.05 / 0.58 (58.2 against
+#   100.2 us); at 64 tokens 1.24 / 1.25 / 1.04; GPT-OSS at 64 tokens 1.07 / 1.03 / 0.82; at 16
+#   tokens, one adapter (an earlier run of the probe), GPT-OSS sorted took 37.4 against 24.0
+#   naive, Qwen3 46.9 against 21.4.
+# So where the plugin knows how many adapters a batch holds (`plugin._active_loras`: under
+# vLLM's specialize_active_lora, which captures a CUDA graph per count), the naive form also
+# needs at most NAIVE_PAIRS_PER_ACTIVE_SLOT_EXPERT pairs per (active adapter, expert): one
+# adapter sorts Qwen3 from 65 tokens and GPT-OSS from 33, and keeps 16 tokens naive for both.
+# Without that setting vLLM rounds every count up to max_loras + 1 and the bounds above decide.
+# That setting is safe only with the plugin's batch metadata: vLLM 0.26 keys a graph on the
+# batch's adapters while its own count also counts the no-adapter id -1, which it sorts first,
+# so one adapter beside base-model requests replayed the one-adapter graph, whose kernels
+# covered id -1 only (H200, stock vLLM, a small random Qwen3-MoE, two requests with an adapter
+# and two without, greedy: with it on the adapter's requests left their eager-mode tokens from
+# the first or third token). `lora_mapping.fill_kernel_meta` counts adapters only and sorts -1
+# last.
 NAIVE_PAIRS_PER_SLOT_EXPERT = 1
 NAIVE_MAX_PAIRS = 1024
+NAIVE_PAIRS_PER_ACTIVE_SLOT_EXPERT = 4
 
 
-def serves_naive(num_pairs: int, experts: int, max_loras: int, vllm_naive: bool) -> bool:
+def serves_naive(
+    num_pairs: int,
+    experts: int,
+    max_loras: int,
+    vllm_naive: bool,
+    active_loras: int | None = None,
+) -> bool:
     """Whether a call of num_pairs pairs runs in the naive routing form once the plugin is in:
-    where vLLM's own rule says so, and while the pairs fit the bounds above."""
+    where vLLM's own rule says so, and while the pairs fit the bounds above, those of the
+    batch's active adapters too where their count is known."""
     dense = num_pairs > NAIVE_PAIRS_PER_SLOT_EXPERT * experts * max_loras
-    return vllm_naive or (num_pairs <= NAIVE_MAX_PAIRS and not dense)
+    crowded = (
+        active_loras is not None
+        and num_pairs > NAIVE_PAIRS_PER_ACTIVE_SLOT_EXPERT * experts * active_loras
+    )
+    return vllm_naive or (num_pairs <= NAIVE_MAX_PAIRS and not dense and not crowded)
 
 
 # In the sorted form vLLM pads each (adapter slot, expert) group of pairs to blocks of its MoE

@@ -13,9 +13,10 @@ and logs one line saying what it did:
   DENSE_MAX_TOKENS tokens, our tiled kernels for larger ones; and it builds the MoE-LoRA routing
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
   pairs on, and asks for the naive routing form (no align at all) while pairs <= experts x
-  max_loras, up to 1,024 pairs (`moe_lora_configs.serves_naive`), where vLLM sorts from an
-  eighth of that, and for sorted blocks of 16 to 64 rows where vLLM's config asks for larger
-  ones but the pairs average at most 32 per (slot, expert) (`moe_lora_configs.serves_block_m`);
+  max_loras, up to 1,024 pairs and, under vLLM's specialize_active_lora, 4 per (active
+  adapter, expert) (`moe_lora_configs.serves_naive`), where vLLM sorts from an eighth of that, and for sorted
+  blocks of 16 to 64 rows where vLLM's config asks for larger ones but the pairs average at
+  most 32 per (slot, expert) (`moe_lora_configs.serves_block_m`);
   and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
   inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
@@ -476,7 +477,7 @@ def _routing_for_our_kernels(align: Callable[..., Any]) -> Callable[..., Any]:
         if expert_map is None and ours:
             pairs = topk_ids.numel()
             naive_block_assignment = serves_naive(
-                pairs, num_experts, max_loras, naive_block_assignment
+                pairs, num_experts, max_loras, naive_block_assignment, _active_loras(self)
             )
             block_size = serves_block_m(pairs, num_experts, max_loras, block_size)
         routing = align(self, topk_ids, num_tokens, block_size, num_experts, max_loras,
@@ -488,6 +489,18 @@ def _routing_for_our_kernels(align: Callable[..., Any]) -> Callable[..., Any]:
         return routing
 
     return moe_lora_align_block_size
+
+
+def _active_loras(punica: Any) -> int | None:
+    """How many adapters the batch being routed holds, where vLLM captures a CUDA graph per
+    count (specialize_active_lora: the count is then rounded up to the graph's, and
+    `lora_mapping.fill_kernel_meta` counts adapters only); else None. Without that setting a
+    graph replays the form chosen at its capture for every count, and vLLM rounds every count
+    up to max_loras + 1 anyway."""
+    if not punica.lora_config.specialize_active_lora:
+        return None
+    count = int(punica.token_mapping_meta.num_active_loras_cpu[0])
+    return count if count > 0 else None
 
 
 def aligned_block(punica: Any, sorted_token_ids: torch.Tensor | None) -> int | None:

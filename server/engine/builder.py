@@ -59,6 +59,7 @@ def engine_kwargs(settings: EngineSettings, model_dir: Path, served_name: str) -
         "max_cpu_loras": settings.max_cpu_loras,
         "max_lora_rank": settings.max_lora_rank,
         "enforce_eager": settings.enforce_eager,
+        "specialize_active_lora": settings.specialize_active_lora,
         "load_format": settings.load_format,
         # Waiting requests in the order of the gateway's `priority` (see tenancy.fair).
         "scheduling_policy": "priority",

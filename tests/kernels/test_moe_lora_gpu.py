@@ -328,19 +328,22 @@ def test_plugin_serves_vllm_calls_with_our_op() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shape_name", "slots_n", "tokens"),
-    [("qwen3-30b-a3b", 8, 256), ("e2e-check", 2, 128)],
-    ids=["qwen3_t256", "e2e_check_t128"],
+    ("shape_name", "slots_n", "tokens", "one_adapter"),
+    [("qwen3-30b-a3b", 8, 256, False), ("e2e-check", 2, 128, False), ("gpt-oss-20b", 8, 64, True)],
+    ids=["qwen3_t256", "e2e_check_t128", "gptoss_t64_one_adapter"],
 )
 def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
-    shape_name: str, slots_n: int, tokens: int
+    shape_name: str, slots_n: int, tokens: int, one_adapter: bool
 ) -> None:
     """vLLM's own add_lora_w13 and add_lora_w2 with the plugin in, on sorted batches whose pairs
     are sparse (Qwen3-30B-A3B's routing at 256 tokens, 8 slots: 2 pairs per slot-expert; the
-    e2e check's model, 32 experts top-4 and 2 slots, at its 128-token prefill: 8): the align
-    is asked for the plugin's block, not the config's, the kernels read the routing in that
-    block, and both calls add the reference's deltas to the base values. Under inference mode,
-    as vLLM's forward runs. The stand-in is vLLM's per-step LoRA metadata only
+    e2e check's model, 32 experts top-4 and 2 slots, at its 128-token prefill: 8; GPT-OSS-20B at
+    64 tokens, naive over 8 adapters, sorted with one adapter beside base-model tokens under
+    specialize_active_lora: `serves_naive`'s active count, the plugin's metadata of one adapter,
+    listed before -1 and a launch width of 1):
+    the align is asked for the plugin's block, not the config's, the kernels read the routing
+    in that block, and both calls add the reference's deltas to the base values. Under
+    inference mode, as vLLM's forward runs. The stand-in is vLLM's per-step LoRA metadata only
     (`token_mapping_meta`)."""
     from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
@@ -355,18 +358,29 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
     gen = torch.Generator().manual_seed(5)
     topk_ids = torch.rand(tokens, e, generator=gen).topk(k, dim=1).indices.to(torch.int32).cuda()
     topk_weights = torch.rand(tokens, k, generator=gen).cuda()
-    tlm = (torch.arange(tokens) % slots_n).to(torch.int32).cuda()
-    lora_ids = torch.cat([torch.arange(slots_n), torch.tensor([-1])]).to(torch.int32).cuda()
-    no_lora, active = torch.tensor([False]), torch.tensor([slots_n + 1], dtype=torch.int32)
+    used = 1 if one_adapter else slots_n
+    tlm = (torch.arange(tokens) % used).to(torch.int32)
+    if one_adapter:  # every other token without adapter
+        tlm[1::2] = -1
+    tlm = tlm.cuda()
+    lora_ids = torch.full((slots_n + 1,), -1, dtype=torch.int32)
+    lora_ids[:used] = torch.arange(used)
+    lora_ids = lora_ids.cuda()
+    no_lora = torch.tensor([False])
+    # vLLM's default launch width (not specialised), and the step's count of adapters.
+    default, step_count = (torch.tensor([n], dtype=torch.int32) for n in (slots_n + 1, used))
 
-    class StepMeta:  # vLLM's LoRAKernelMeta: every slot active, vLLM's default (not specialised)
+    class StepMeta:  # vLLM's LoRAKernelMeta as the plugin fills it (lora_mapping)
+        num_active_loras_cpu = step_count
+
         def meta_args(self, num_tokens: int, specialize: bool) -> tuple:
-            return tlm[:num_tokens], None, None, None, lora_ids, no_lora, active
+            width = step_count if specialize else default
+            return tlm[:num_tokens], None, None, None, lora_ids, no_lora, width
 
     punica: Any = PunicaWrapperGPU.__new__(PunicaWrapperGPU)
     punica.token_mapping_meta = StepMeta()
     punica.lora_config = type("LoRAConfig", (), {
-        "fully_sharded_loras": False, "max_lora_rank": 32, "specialize_active_lora": False,
+        "fully_sharded_loras": False, "max_lora_rank": 32, "specialize_active_lora": one_adapter,
     })()  # fmt: skip
     w1 = torch.empty(e, 2 * inter, hidden, device="meta")
     w2 = torch.empty(e, hidden, inter, device="meta")
@@ -405,7 +419,7 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
         "max_lora_rank": 32,
         "top_k_num": k,
         "lora_ids": lora_ids,
-        "num_active_loras": active,
+        "num_active_loras": default,
         "adapter_enabled": enabled,
     }
     naive = {name: v.cpu() if isinstance(v, torch.Tensor) else v for name, v in routing.items()}

@@ -117,11 +117,22 @@ def test_ops_dispatch_straight_to_our_functions_with_vllms_mutation_schema() -> 
 
 
 class _Wrapper:
-    """What `_routing_for_our_kernels` reads of a PunicaWrapperGPU: its LoRA config."""
+    """What `_routing_for_our_kernels` reads of a PunicaWrapperGPU: its LoRA config and the
+    step's count of active adapters (vLLM's default: max_loras + 1, as if unspecialized)."""
 
-    def __init__(self, fully_sharded: bool, rank: int) -> None:
-        fields = {"fully_sharded_loras": fully_sharded, "max_lora_rank": rank}
+    def __init__(
+        self, fully_sharded: bool, rank: int, active: int = 9, specialize: bool = False
+    ) -> None:
+        import torch
+
+        fields = {
+            "fully_sharded_loras": fully_sharded,
+            "max_lora_rank": rank,
+            "specialize_active_lora": specialize,
+        }
         self.lora_config = type("LoRAConfig", (), fields)()
+        count = torch.tensor([active], dtype=torch.int32)
+        self.token_mapping_meta = type("LoRAKernelMeta", (), {"num_active_loras_cpu": count})()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,3 +294,26 @@ def test_our_routing_forms_left_to_vllm_where_our_op_does_not_serve() -> None:
         assert _routing_asked(4 * 32 * 8, **call).block == 64
     assert _routing_asked(64, rank=MAX_RANK).naive
     assert _routing_asked(4 * 32 * 8, rank=MAX_RANK).block == 16
+
+
+def test_one_active_adapter_sorts_from_four_pairs_per_expert() -> None:
+    """Under specialize_active_lora, the naive form also needs at most 4 pairs per (active
+    adapter, expert): one adapter sorts GPT-OSS (32 experts) past 128 pairs and Qwen3
+    (128 experts) past 512, where 8 adapters stay naive; a count of 0 is unknown."""
+    for experts in (32, 128):
+        one = _Wrapper(False, 32, active=1, specialize=True)
+        assert _routing_asked(4 * experts, experts=experts, punica=one).naive
+        assert not _routing_asked(4 * experts + 4, experts=experts, punica=one).naive
+        eight = _Wrapper(False, 32, active=8, specialize=True)
+        assert _routing_asked(4 * experts + 4, experts=experts, punica=eight).naive
+        unknown = _Wrapper(False, 32, active=0, specialize=True)
+        assert _routing_asked(4 * experts + 4, experts=experts, punica=unknown).naive
+
+
+def test_the_count_decides_only_where_vllm_captures_a_graph_per_count() -> None:
+    """Without specialize_active_lora a CUDA graph replays its routing form for whatever count a
+    later step has, so the step's count is not used, even where it says one adapter."""
+    plain = _Wrapper(False, 32, active=1)
+    assert _routing_asked(32 * 8, punica=plain).naive
+    specialized = _Wrapper(False, 32, active=1, specialize=True)
+    assert not _routing_asked(32 * 8, punica=specialized).naive

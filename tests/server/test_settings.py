@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.server.settings import CONFIG_FILE_ENV, ConfigError, load_settings
+from loraplex.server.settings import CONFIG_FILE_ENV, ConfigError, EngineSettings, load_settings
 
 
 def test_defaults_are_valid() -> None:
@@ -132,3 +132,24 @@ def test_paced_prefill_chunk_is_bounded_by_the_context() -> None:
     assert "engine.paced_prefill_tokens (4096) must be <= engine.max_model_len (2048)" in str(
         err.value
     )
+
+
+def test_specialize_active_lora_reaches_vllms_engine_args(tmp_path: Path) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from loraplex.server.engine.builder import engine_kwargs
+
+    for on in (False, True):
+        settings = EngineSettings.model_validate({"specialize_active_lora": on})
+        assert (
+            AsyncEngineArgs(**engine_kwargs(settings, tmp_path, "m")).specialize_active_lora is on
+        )
+
+
+def test_graphs_per_adapter_count_need_the_plugins_batch_metadata() -> None:
+    with pytest.raises(ValueError) as err:
+        EngineSettings.model_validate({"specialize_active_lora": True, "moe_lora_kernels": False})
+    assert "engine.specialize_active_lora (True) needs engine.moe_lora_kernels (False) on" in str(
+        err.value
+    )
+    EngineSettings.model_validate({"specialize_active_lora": True, "moe_lora_kernels": True})
