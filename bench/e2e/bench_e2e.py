@@ -12,8 +12,13 @@ proxy of ../shared/gpu/example_bench_offline.py whose baseline the issue quotes.
 also counts what could stall it (`stall_counts`: allocator retries, cudaMalloc/cudaFree, full
 garbage collections), so a slow one can be told from a slow kernel.
 
-check: greedy tokens with and without the plugin on a small Qwen3-MoE with real random weights
-(transformers, seeded) and two adapters; the first 16 tokens must agree.
+check: greedy tokens on a small Qwen3-MoE with real random weights (transformers, seeded) and
+two adapters, in three batches: both adapters, both beside base-model requests, one beside them.
+Modes: stock vLLM eager (`check-stock`, the reference), the plugin eager (`check-plugin`), and
+CUDA graphs per adapter count (vLLM's specialize_active_lora) with the plugin
+(`check-plugin-graphs`) and without it (`check-stock-graphs`, vLLM 0.26's own batch metadata,
+which drops an adapter beside base requests there: `lora_mapping.fill_kernel_meta`). `compare`
+counts the requests whose first 16 tokens agree with the reference.
 
 The plugin is found through the `vllm.general_plugins` entry point in pyproject.toml: `--install`
 writes a dist-info carrying that entry point into the first PYTHONPATH folder (the repository,
@@ -365,8 +370,16 @@ def make_small_model(path: Path) -> None:
     model.to(torch.bfloat16).save_pretrained(path)
 
 
+# Batch name -> the adapter of each request (None: the base model).
+CHECK_BATCHES: dict[str, list[int | None]] = {
+    "two adapters": [0, 1, 0, 1],
+    "two adapters beside base": [0, None, 1, None],
+    "one adapter beside base": [0, None, None, None],
+}
+
+
 def run_check(ns: argparse.Namespace) -> dict:
-    """Greedy tokens of two adapters' requests; the caller runs it with and without the plugin."""
+    """Greedy tokens of CHECK_BATCHES' requests, in the mode's engine (see the docstring)."""
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
@@ -375,21 +388,26 @@ def run_check(ns: argparse.Namespace) -> dict:
     adapters = [Path(f"/tmp/e2e_small_lora{i}") for i in range(2)]
     for i, path in enumerate(adapters):
         make_adapter(path, 4, 512, 256, 32, 512, 128, seed=10 + i, scale=0.05)
+    graphs = ns.mode.endswith("graphs")
     llm = LLM(model=str(model), skip_tokenizer_init=True, max_model_len=512, enable_lora=True,
               max_loras=2, max_lora_rank=RANK, gpu_memory_utilization=0.3,
-              enforce_eager=True)  # fmt: skip
+              enforce_eager=not graphs, specialize_active_lora=graphs)  # fmt: skip
     rnd = random.Random(1)
     prompts: list[Any] = [
         {"prompt_token_ids": [rnd.randrange(10, 4000) for _ in range(32)]} for _ in range(4)
     ]
-    lrs = [LoRARequest(f"a{i % 2}", i % 2 + 1, str(adapters[i % 2])) for i in range(4)]
+    lrs = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, detokenize=False)
-    outs = llm.generate(prompts, greedy, lora_request=lrs, use_tqdm=False)
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        # Per position, the greedy token's logprob lead over the runner-up: how near a tie was.
-        "margins": [[_lead(step) for step in o.outputs[0].logprobs or []] for o in outs],
-    }
+    result: dict[str, list] = {"tokens": [], "margins": []}
+    for batch in CHECK_BATCHES.values():
+        # vLLM takes None in the list for a request without adapter; its hint says otherwise.
+        requests: list[Any] = [None if a is None else lrs[a] for a in batch]
+        for o in llm.generate(prompts, greedy, lora_request=requests, use_tqdm=False):
+            result["tokens"].append(list(o.outputs[0].token_ids))
+            # Per position, the greedy token's logprob lead over the runner-up: how near a tie
+            # was.
+            result["margins"].append([_lead(step) for step in o.outputs[0].logprobs or []])
+    return result
 
 
 def _lead(step: dict[int, Any]) -> float:
@@ -397,27 +415,36 @@ def _lead(step: dict[int, Any]) -> float:
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
+CHECK_MODES = ("check-plugin", "check-plugin-graphs", "check-stock-graphs")
+
+
 def compare(out: Path) -> dict:
-    """Whether the first 16 greedy tokens agree; where they do not, the position of the first
-    difference and the stock run's margin there (its top-1 over top-2 logprob), so that a flip
+    """Per mode that ran (CHECK_MODES), against check-stock: how many requests' first 16 greedy
+    tokens agree; where they do not, the request, its adapter, the position of the first
+    difference and the reference's margin there (its top-1 over top-2 logprob), so that a flip
     between near-tied tokens tells itself apart from a wrong kernel."""
-    stock_run = json.loads((out / "e2e_check-stock.json").read_text())
-    stock = stock_run["tokens"]
-    plugin = json.loads((out / "e2e_check-plugin.json").read_text())["tokens"]
-    same = [a[:16] == b[:16] for a, b in zip(stock, plugin, strict=True)]
-    differences = []
-    for i, (a, b) in enumerate(zip(stock, plugin, strict=True)):
-        at = next((j for j, (x, y) in enumerate(zip(a[:16], b[:16], strict=True)) if x != y), None)
-        if at is not None:
-            margin = stock_run["margins"][i][at]
-            differences.append({"request": i, "position": at, "stock_margin": margin})
-    return {"requests": len(same), "agree_first_16": sum(same), "differences": differences,
-            "stock": stock, "plugin": plugin}  # fmt: skip
+    reference = json.loads((out / "e2e_check-stock.json").read_text())
+    adapters = [a for batch in CHECK_BATCHES.values() for a in batch]
+    result: dict[str, Any] = {"stock": reference["tokens"], "adapters": adapters}
+    for mode in CHECK_MODES:
+        if not (out / f"e2e_{mode}.json").exists():
+            continue
+        tokens = json.loads((out / f"e2e_{mode}.json").read_text())["tokens"]
+        differences = []
+        for i, (a, b) in enumerate(zip(reference["tokens"], tokens, strict=True)):
+            pairs = zip(a[:16], b[:16], strict=True)
+            at = next((j for j, (x, y) in enumerate(pairs) if x != y), None)
+            if at is not None:
+                differences.append({"request": i, "adapter": adapters[i], "position": at,
+                                    "stock_margin": reference["margins"][i][at]})  # fmt: skip
+        result[mode] = {"requests": len(tokens), "agree_first_16": len(tokens) - len(differences),
+                        "differences": differences, "tokens": tokens}  # fmt: skip
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    modes = ["base", "stock", "plugin", "check-stock", "check-plugin", "compare"]
+    modes = ["base", "stock", "plugin", "check-stock", *CHECK_MODES, "compare"]
     parser.add_argument("mode", choices=modes)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -435,12 +462,14 @@ def main() -> None:
         print("plugin entry point in", install_entry_point(ns.install), flush=True)
     if ns.mode == "compare":
         result = compare(ns.out)
-        summary = ("requests", "agree_first_16", "differences")
-        print("CHECK", json.dumps({k: result[k] for k in summary}))
+        for mode in CHECK_MODES:
+            if mode in result:
+                summary = {k: v for k, v in result[mode].items() if k != "tokens"}
+                print("CHECK", mode, json.dumps(summary))
         (ns.out / "e2e_check.json").write_text(json.dumps(result) + "\n")
         return
     # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.plugin).
-    os.environ[ENV_SWITCH] = "1" if ns.mode.endswith("plugin") else "0"
+    os.environ[ENV_SWITCH] = "1" if "plugin" in ns.mode else "0"
     if ns.profile == "host":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch

@@ -3,7 +3,8 @@
 #   bash bench/e2e/run_device.sh COMMIT MODE...
 #   MODE: check | base | stock | plugin | prefill-base | prefill-stock | prefill-plugin
 #         | host-base | host-plugin | serve-plugin | serve-stock
-# check: greedy tokens with and without the plugin on a small real-weight MoE (bench_e2e.py);
+# check: greedy tokens on a small real-weight MoE, stock vLLM eager against the plugin eager and
+# CUDA graphs per adapter count with and without the plugin (bench_e2e.py);
 # base/stock/plugin: the 16 x 1600/600 workload offline, with a decode-step profile (prefill-*: one
 # repetition and a profile of one prefill of the 16 prompts instead), and a count of
 # the Triton compiles vLLM's jit_monitor saw while serving; host-*: one repetition, then py-spy's
@@ -21,7 +22,7 @@ for mode in "$@"; do
   log="$OUT/e2e_$mode.log"
   case "$mode" in
     check)
-      for m in check-stock check-plugin; do
+      for m in check-stock check-plugin check-plugin-graphs check-stock-graphs; do
         timeout 240 python3 bench/e2e/bench_e2e.py "$m" --commit "$commit" --out "$OUT" \
           --install /tmp/site >>"$log" 2>&1
       done
