@@ -14,9 +14,9 @@ and logs one line saying what it did:
   (vLLM's `moe_lora_align_block_size`) with our kernels from ALIGN_MIN_PAIRS (token, expert)
   pairs on, and asks for the naive routing form (no align at all) while pairs <= experts x
   max_loras, up to 1,024 pairs and, under vLLM's specialize_active_lora, 4 per (active
-  adapter, expert) (`moe_lora_configs.serves_naive`), where vLLM sorts from an eighth of that, and for sorted
-  blocks of 16 to 64 rows where vLLM's config asks for larger ones but the pairs average at
-  most 32 per (slot, expert) (`moe_lora_configs.serves_block_m`);
+  adapter, expert) (`moe_lora_configs.serves_naive`), where vLLM sorts from an eighth of that,
+  and for sorted blocks of 16 to 64 rows where vLLM's config asks for larger ones but the pairs
+  average at most 32 per (slot, expert) (`moe_lora_configs.serves_block_m`);
   and it builds each step's LoRA batch metadata on the host (`lora_mapping`), where
   vLLM's waits for the device; and in vLLM's Triton fused experts it adds the gate/up LoRA
   inside SiLU-and-mul (`moe_act_fusion`), not into the buffer SiLU-and-mul reads, and at
