@@ -414,6 +414,9 @@ def _patch() -> PluginState:
     from .lora_mapping import update_metadata
     from .moe_act_fusion import patch_triton_experts
 
+    # First and on its own: engine.specialize_active_lora is safe only with this metadata
+    # (`lora_mapping.fill_kernel_meta`), so it stays in place if a later step fails.
+    punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
     ours = _define_op(original)
     _define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
     align = _define_align_op(punica_gpu.ops.moe_lora_align_block_size)
@@ -422,7 +425,6 @@ def _patch() -> PluginState:
     # punica_gpu calls it as `ops.moe_lora_align_block_size`, looked up on each call.
     punica_gpu.ops.moe_lora_align_block_size = align
     punica_gpu.PunicaWrapperGPU.add_lora_linear = _add_lora_linear  # type: ignore[method-assign]
-    punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
     wrapper = punica_gpu.PunicaWrapperGPU
     wrapper.moe_lora_align_block_size = _routing_for_our_kernels(  # type: ignore[method-assign]
         wrapper.moe_lora_align_block_size

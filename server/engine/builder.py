@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loraplex.kernels.plugin import compile_cache_config
-from loraplex.server.settings import EngineSettings
+from loraplex.kernels.plugin import SUPPORTED_VLLM, compile_cache_config
+from loraplex.server.settings import ConfigError, EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,23 @@ def cpu_dtype(requested: str) -> str:
     return "auto" if "AVX512" in torch.backends.cpu.get_cpu_capability() else "float32"
 
 
+def check_specialized_graphs(settings: EngineSettings, vllm_version: str, cpu: bool) -> None:
+    """Refuse engine.specialize_active_lora on a GPU engine whose vLLM the plugin does not patch:
+    there vLLM's own LoRA batch metadata would serve, which drops an adapter's delta beside
+    base-model requests in that mode (`kernels/lora_mapping.fill_kernel_meta`). CPU engines do
+    not use that metadata."""
+    if settings.specialize_active_lora and not cpu and not vllm_version.startswith(SUPPORTED_VLLM):
+        raise ConfigError(
+            f"engine.specialize_active_lora (True) needs vLLM {', '.join(SUPPORTED_VLLM)}x, "
+            f"whose LoRA batch metadata loraplex's plugin replaces (found vLLM {vllm_version})"
+        )
+
+
 def engine_kwargs(settings: EngineSettings, model_dir: Path, served_name: str) -> dict[str, Any]:
     """Keyword arguments for `AsyncEngineArgs`, LoRA always on."""
+    import vllm
+
+    check_specialized_graphs(settings, str(vllm.__version__), on_cpu())
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": served_name,

@@ -153,3 +153,19 @@ def test_graphs_per_adapter_count_need_the_plugins_batch_metadata() -> None:
         err.value
     )
     EngineSettings.model_validate({"specialize_active_lora": True, "moe_lora_kernels": True})
+
+
+def test_graphs_per_adapter_count_need_the_vllm_the_plugin_patches() -> None:
+    """On a GPU engine whose vLLM the plugin does not patch, vLLM's own batch metadata would
+    serve the per-count graphs: refused, naming the setting and both versions."""
+    from loraplex.server.engine.builder import check_specialized_graphs
+    from loraplex.server.settings import ConfigError
+
+    on = EngineSettings.model_validate({"specialize_active_lora": True})
+    with pytest.raises(ConfigError) as err:
+        check_specialized_graphs(on, "0.27.1", cpu=False)
+    assert "engine.specialize_active_lora (True) needs vLLM 0.26.x" in str(err.value)
+    assert "found vLLM 0.27.1" in str(err.value)
+    check_specialized_graphs(on, "0.26.0", cpu=False)
+    check_specialized_graphs(on, "0.32.0", cpu=True)  # CPU engines do not use that metadata
+    check_specialized_graphs(EngineSettings(), "0.27.1", cpu=False)
