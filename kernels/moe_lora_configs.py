@@ -67,7 +67,8 @@ MIN_REGISTERS, MAX_REGISTERS = 16, 255
 # covered id -1 only (H200, stock vLLM, a small random Qwen3-MoE, greedy: with it on, the
 # adapter's requests left their eager-mode tokens from the first token; bench_e2e check, rows in
 # bench/e2e/results/e2e_check_nvidia_h200.json). `lora_mapping.fill_kernel_meta` counts
-# adapters only and sorts -1 last; with it the same check kept every adapter request's tokens.
+# adapters only and sorts -1 last; with it the same check kept the tokens of every adapter request
+# beside base requests (two runs; the only flips were at exact or near ties).
 # End to end with graphs per count (bench_adapter_count, 8-layer Qwen3 shape, 128 requests, all
 # on one adapter): 27.3k against 21.0k output tok/s with graphs for any count.
 NAIVE_PAIRS_PER_SLOT_EXPERT = 1
