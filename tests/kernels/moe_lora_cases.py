@@ -16,6 +16,8 @@ from loraplex.kernels.moe_lora_reference import (
     moe_lora_align_reference,
     pairs_to_update,
 )
+from loraplex.kernels.moe_lora_workload import Popularity as WorkloadPopularity
+from loraplex.kernels.moe_lora_workload import token_slots
 
 Popularity = Literal["distinct", "uniform", "zipf", "identical", "skewed"]
 
@@ -45,17 +47,19 @@ class Case:
     specialize_active: bool = False
 
 
+# The popularities the benchmarks' workload builder also draws (`token_slots`), by its names.
+_WORKLOAD_POPULARITY: dict[str, WorkloadPopularity] = {
+    "distinct": "round_robin", "identical": "one", "zipf": "zipf",
+}  # fmt: skip
+
+
 def _slots(case: Case, gen: torch.Generator) -> torch.Tensor:
     t, a = case.tokens, case.adapters
-    if case.popularity == "distinct":
-        slots = torch.arange(t) % a
-    elif case.popularity == "identical":
-        slots = torch.zeros(t, dtype=torch.long)
+    if case.popularity in _WORKLOAD_POPULARITY:
+        slots = token_slots(_WORKLOAD_POPULARITY[case.popularity], t, a, gen) % a
     else:
         if case.popularity == "uniform":
             p = torch.ones(a)
-        elif case.popularity == "zipf":
-            p = 1.0 / torch.arange(1, a + 1, dtype=torch.float)
         else:  # skewed: nine tenths on one adapter
             p = torch.full((a,), 0.1 / max(a - 1, 1))
             p[0] = 0.9 if a > 1 else 1.0
