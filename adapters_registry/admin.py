@@ -22,7 +22,7 @@ from loraplex.adapters_registry.base import (
 )
 from loraplex.adapters_registry.catalog import Catalog, VersionRecord
 from loraplex.adapters_registry.disk_cache import CacheError, digest_folder
-from loraplex.adapters_registry.names import check_name
+from loraplex.adapters_registry.names import check_name, check_new_name
 from loraplex.adapters_registry.registry import AdapterRegistry
 from loraplex.adapters_registry.sources import fetch_source, publish_blobs
 from loraplex.adapters_registry.store import StoreError
@@ -86,7 +86,7 @@ class ManagedRegistry(AdapterRegistry):
         with `pinned`, then pin it (`set_pinned`: on the engine first, then in the catalog).
         A pin refused then (another pin took the last slot meanwhile) is a 409 that says the
         registration stands."""
-        check_name(name)
+        check_new_name(name, self.spec.name)
         if pinned and len(self._pins_besides(name)) >= self.tiers.max_pinned:
             raise AdapterConflict(
                 f"cannot pin `{name}`: {self.tiers.max_pinned} adapters are pinned already "

@@ -4,7 +4,8 @@ Latencies are per tenant and, optionally, per adapter. The adapter label is boun
 `adapter_label_top_k` adapters seen get their own value, every later one is `other`, requests
 to the base model are `base`, and requests refused before they reached a model (no valid key, an
 unknown model, a malformed body) are `none`. Labels never change once given, so each series is
-stable for the life of the process and the series count is bounded by tenants x (K + 3). With
+stable for the life of the process and the series count is bounded by tenants x (K + 3). No
+adapter can be registered under the three special values (`names.RESERVED_NAMES`). With
 K = 0 the adapter label is left out entirely. vLLM's engine metrics (`vllm:` prefix) live in the
 default registry and are exposed on the same endpoint by the app; this module only defines
 loraplex's own.

@@ -165,6 +165,20 @@ async def test_pickle_only_and_missing_sources(rig: Rig) -> None:
     assert reg.names() == []
 
 
+async def test_reserved_and_base_model_names_are_refused_before_any_fetch(rig: Rig) -> None:
+    reg = await rig.registry("a")
+    before = (reg.store.list_keys(""), reg.cache.cached(), reg.catalog.last_seq)
+    for reserved in ("base", "other", "none"):
+        with pytest.raises(AdapterInvalid, match="reserved") as err:
+            await reg.register(reserved, rig.source("any"))
+        assert err.value.param == "name"
+    with pytest.raises(AdapterConflict, match="base model's served name") as conflict:
+        await reg.register("tiny", rig.source("any"))  # the rig's base model
+    assert conflict.value.param == "name"
+    assert (reg.store.list_keys(""), reg.cache.cached(), reg.catalog.last_seq) == before
+    assert await reg.register("Base", rig.source("any"))  # names are case-sensitive
+
+
 async def test_pin_unpin_evict_tiers(rig: Rig) -> None:
     engine = FakeEngine()
     reg = await rig.registry("a", engine)

@@ -176,6 +176,12 @@ def test_admin_refuses_bad_input_and_changes_nothing(cluster: Cluster) -> None:
     assert error["param"] == "r" and "max_lora_rank=16" in error["message"]
     bad_name = register(cluster.a, "a/../b", "s3://x/y/")
     assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "name"
+    reserved = register(cluster.a, "other", cluster.source("other", 13))
+    assert reserved.status_code == 400 and "reserved" in reserved.json()["error"]["message"]
+    base_model = httpx.get(f"{cluster.a.base_url}/ready", timeout=10).json()["model"]
+    shadowed = register(cluster.a, base_model, cluster.source("shadowed", 14))
+    assert shadowed.status_code == 409, shadowed.text
+    assert shadowed.json()["error"]["param"] == "name"
     missing = register(cluster.a, "nothing", f"s3://{BUCKET}/src/none/")
     assert (
         missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]

@@ -14,8 +14,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from loraplex.adapters_registry.names import RESERVED_NAMES
 from loraplex.server.access_log import AccessLogMiddleware, record_of
-from loraplex.server.metrics import OTHER_LABEL, AdapterLabels, GatewayMetrics
+from loraplex.server.metrics import (
+    BASE_LABEL,
+    NO_MODEL_LABEL,
+    OTHER_LABEL,
+    AdapterLabels,
+    GatewayMetrics,
+)
 from loraplex.server.tenancy.record import RequestRecord
 
 # Per metric type, how a name ends: histograms in a base unit; counters count things (their
@@ -103,6 +110,10 @@ def test_adapter_label_is_bounded_and_stable() -> None:
         OTHER_LABEL,
         "x/2",
     ]
+
+
+def test_the_special_adapter_labels_are_names_no_registration_may_take() -> None:
+    assert {BASE_LABEL, OTHER_LABEL, NO_MODEL_LABEL} == RESERVED_NAMES
 
 
 def test_requests_refused_before_a_model_are_labelled_none() -> None:
