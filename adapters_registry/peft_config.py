@@ -8,9 +8,11 @@ first request. Raises AdapterInvalid with a fixed `reason` label for metrics.
 from __future__ import annotations
 
 import json
-import re
+import time
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
@@ -19,6 +21,11 @@ from loraplex.adapters_registry.json_values import is_int, is_number
 CONFIG_FILE = "adapter_config.json"
 # Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
 _PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
+# What one adapter's module-name patterns (target_modules as a string, rank_pattern keys) may
+# take to match, together. Ordinary patterns take microseconds; one that backtracks
+# catastrophically grows with the name: `([\w.]|[\w.][\w.]|[\w.][\w.][\w.])*\d` took 19.6 s
+# against one 31-character module name, and takes about 1.84x longer per character.
+PATTERN_BUDGET_S = 1.0
 
 
 def invalid(reason: str, message: str, param: str) -> AdapterInvalid:
@@ -112,37 +119,74 @@ def _check_patterns(patterns: dict[str, Any], param: str) -> None:
         _compile(key, f"{param} key", param)
 
 
-def _compile(pattern: object, what: str, param: str) -> re.Pattern[str]:
+def _compile(pattern: object, what: str, param: str) -> regex.Pattern[str]:
     if not isinstance(pattern, str):
         raise invalid("bad_config", f"{CONFIG_FILE}: {what} {pattern!r} is not a string", param)
     try:
-        return re.compile(pattern)
-    except re.error as e:
+        return regex.compile(pattern)
+    except regex.error as e:
         raise invalid(
             "bad_config", f"{CONFIG_FILE}: {what} {pattern!r} is not a valid regex: {e}", param
         ) from e
 
 
-def rank_for(ranks: dict[str, int], module: str) -> int:
+class PatternClock:
+    """Matches an adapter's module-name patterns within PATTERN_BUDGET_S in all, with the
+    `regex` package, as vLLM matches them. Its `timeout` stops a runaway match, and
+    `concurrent` lets go of the GIL meanwhile: registration validates in a worker thread, but
+    `re` holds the GIL for the whole match, which froze every other request (measured: a
+    thread sleeping in 10 ms steps did not run once during a 2 s `re`-style match, and ran
+    throughout with `concurrent`)."""
+
+    def __init__(self, budget_s: float = PATTERN_BUDGET_S) -> None:
+        self.budget_s = budget_s
+        self._deadline = time.monotonic() + budget_s
+
+    def matches(self, pattern: regex.Pattern[str], name: str, what: str, param: str) -> bool:
+        """Whether `pattern` matches all of `name`."""
+        left = self._deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return pattern.fullmatch(name, timeout=left, concurrent=True) is not None
+        except TimeoutError as e:
+            raise invalid(
+                "bad_config",
+                f"{CONFIG_FILE}: {what} {pattern.pattern!r} took more than {self.budget_s} s to "
+                f"match against the module names (at {name!r}): it backtracks too much",
+                param,
+            ) from e
+
+
+def rank_for(ranks: dict[str, int], module: str, clock: PatternClock) -> int:
     # vLLM's (and PEFT's) rule: the first pattern that is a '.'-bounded suffix of the name wins.
     for key, value in ranks.items():
-        if key and re.match(rf"(.*\.)?({key})$", module):
+        if not key:
+            continue
+        suffix = regex.compile(rf"(.*\.)?({key})")  # regex caches compiled patterns
+        if clock.matches(suffix, module, "rank_pattern key", "rank_pattern"):
             return value
     return ranks[""]
 
 
-def _check_targets(config: dict[str, Any], spec: BaseModelSpec) -> None:
+def _check_target_regex(targets: str, spec: BaseModelSpec, clock: PatternClock) -> None:
+    pattern = _compile(targets, "target_modules regex", "target_modules")
+    what = "target_modules regex"
+    if not any(clock.matches(pattern, m, what, "target_modules") for m in spec.linear):
+        raise invalid(
+            "target_modules",
+            f"target_modules regex {targets!r} matches no linear module of {spec.name}",
+            "target_modules",
+        )
+
+
+def _check_targets(config: dict[str, Any], spec: BaseModelSpec, clock: PatternClock) -> None:
     if "target_modules" not in config:  # vLLM requires the key (PEFT writes null for none)
         raise invalid("bad_config", f"{CONFIG_FILE}: target_modules is missing", "target_modules")
     targets = config["target_modules"]
     if isinstance(targets, str):
-        regex = _compile(targets, "target_modules regex", "target_modules")
-        if targets != "all-linear" and not any(regex.fullmatch(m) for m in spec.linear):
-            raise invalid(
-                "target_modules",
-                f"target_modules regex {targets!r} matches no linear module of {spec.name}",
-                "target_modules",
-            )
+        if targets != "all-linear":
+            _check_target_regex(targets, spec, clock)
     elif isinstance(targets, list):
         for target in targets:
             if not isinstance(target, str) or not spec.matches_target(target):
@@ -167,7 +211,9 @@ def _check_targets(config: dict[str, Any], spec: BaseModelSpec) -> None:
             )
 
 
-def check_config(folder: Path, spec: BaseModelSpec, max_lora_rank: int) -> dict[str, int]:
+def check_config(
+    folder: Path, spec: BaseModelSpec, max_lora_rank: int, clock: PatternClock
+) -> dict[str, int]:
     """Validate the config; return the ranks: {"": r, **rank_pattern}."""
     config = _load_config(folder)
     if config.get("peft_type") != "LORA":
@@ -178,5 +224,5 @@ def check_config(folder: Path, spec: BaseModelSpec, max_lora_rank: int) -> dict[
     _check_features(config)
     ranks = _check_rank(config, max_lora_rank)
     _check_alpha(config)
-    _check_targets(config, spec)
+    _check_targets(config, spec, clock)
     return ranks

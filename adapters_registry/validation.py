@@ -15,6 +15,7 @@ from pathlib import Path
 from loraplex.adapters_registry.base_model import BaseModelSpec
 from loraplex.adapters_registry.peft_config import (
     CONFIG_FILE,
+    PatternClock,
     check_config,
     invalid,
     rank_for,
@@ -85,7 +86,7 @@ def _fused_expert(module: str, spec: BaseModelSpec) -> tuple[str, str] | None:
 
 
 def _expected_shape(
-    module: str, side: str, ranks: dict[str, int], spec: BaseModelSpec
+    module: str, side: str, ranks: dict[str, int], spec: BaseModelSpec, clock: PatternClock
 ) -> tuple[int, int]:
     """(rows, cols) the LoRA factor for `module` must have on `spec`; raises if no such module."""
     fused = _fused_expert(module, spec)
@@ -93,7 +94,7 @@ def _expected_shape(
         group, param = fused
         moe = spec.moe
         # The 3D layout stacks the experts' rank-r factors: (r * E, in) and (out, r * E).
-        er = rank_for(ranks, f"{group}.{param}") * moe.num_experts
+        er = rank_for(ranks, f"{group}.{param}", clock) * moe.num_experts
         if param == "gate_up_proj":
             in_f, out_f = moe.hidden, 2 * moe.intermediate
         else:
@@ -106,12 +107,16 @@ def _expected_shape(
             module,
         )
     out_f, in_f = spec.linear[module]
-    rank = rank_for(ranks, module)
+    rank = rank_for(ranks, module, clock)
     return (rank, in_f) if side == "A" else (out_f, rank)
 
 
 def _check_tensors(
-    tensors: dict[str, TensorInfo], ranks: dict[str, int], spec: BaseModelSpec, dtypes: set[str]
+    tensors: dict[str, TensorInfo],
+    ranks: dict[str, int],
+    spec: BaseModelSpec,
+    dtypes: set[str],
+    clock: PatternClock,
 ) -> int:
     if not tensors:
         raise invalid("missing_weights", f"{WEIGHTS_FILE} holds no tensors", WEIGHTS_FILE)
@@ -122,7 +127,7 @@ def _check_tensors(
             raise invalid(
                 "dtype", f"tensor `{name}` is {info.dtype}; allowed: {sorted(dtypes)}", name
             )
-        expected = _expected_shape(module, side, ranks, spec)
+        expected = _expected_shape(module, side, ranks, spec, clock)
         if info.shape != expected:
             raise invalid(
                 "tensor_shape",
@@ -145,7 +150,8 @@ def validate_adapter(
 
     Blocking (reads the header of the weights file). Raises AdapterInvalid; mutates nothing.
     """
-    ranks = check_config(folder, spec, max_lora_rank)
+    clock = PatternClock()
+    ranks = check_config(folder, spec, max_lora_rank, clock)
     if not (folder / WEIGHTS_FILE).is_file():
         raise invalid("missing_weights", f"{WEIGHTS_FILE} is missing", WEIGHTS_FILE)
     try:
@@ -153,5 +159,5 @@ def validate_adapter(
     except HeaderError as e:
         reason = "truncated" if "truncated" in str(e) else "bad_safetensors"
         raise invalid(reason, str(e), WEIGHTS_FILE) from e
-    modules = _check_tensors(tensors, ranks, spec, allowed_dtypes)
+    modules = _check_tensors(tensors, ranks, spec, allowed_dtypes, clock)
     return ValidatedAdapter(rank=max(ranks.values()), modules=modules)

@@ -287,3 +287,22 @@ def test_moe_fused_3d_form(tmp_path: Path, fused_moe_model: Path, dense_model: P
     assert err.param == name and f"[32, {4 * EXPERTS}]" in err.message
     dense = load_base_model_spec(dense_model, "tiny-llama")
     refused(write_adapter(tmp_path / "c", config, fused_expert_tensors()), dense, "target_modules")
+
+
+# About 1.84^length steps against a module name that does not end in a digit: 19.6 s on one of
+# the tiny model's 31-character names without a limit (PATTERN_BUDGET_S stops it).
+BACKTRACKING = r"([\w.]|[\w.][\w.]|[\w.][\w.][\w.])*\d"
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [({"target_modules": BACKTRACKING}, "target_modules"),
+     ({"rank_pattern": {BACKTRACKING: 4}}, "rank_pattern")],
+    ids=["target-regex", "rank-pattern-key"],
+)  # fmt: skip
+def test_a_pattern_that_backtracks_without_end_is_refused(
+    tmp_path: Path, dense: BaseModelSpec, change: dict, param: str
+) -> None:
+    config = adapter_config(**change)
+    err = refused(write_adapter(tmp_path / "a", config), dense, "bad_config")
+    assert err.param == param and "backtracks too much" in err.message
