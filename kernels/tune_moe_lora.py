@@ -41,6 +41,10 @@ FINALISTS = 4
 # graphs up to 512 tokens, 4,096 pairs at top-8): their candidates add the expand tilings that
 # won there.
 PREFILL_MIN_PAIRS = 8192
+# Columns a GEMV expand program takes. 512 and 1,024 where a program of 256 had been the widest:
+# GPT-OSS gate/up at 16 tokens took 16.07 us over 1,024 against 17.40 over 256 (tuned config
+# otherwise; at 4 tokens 7.00 against 7.39); elsewhere within 2% (H200 probe, 2026-11-25).
+GEMV_EXPAND_COLUMNS = (128, 256, 512, 1024)
 
 
 def candidates(
@@ -146,12 +150,12 @@ def _all_candidates(k: int, num_pairs: int, slices: int, naive: bool) -> list[Mo
                 for split in gemv_splits for warps in (4, 8)]  # fmt: skip
         # The GEMV expand after either shrink: one row a program, not tl.dot's 16.
         out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_expand=True)
-                for split in splits for bn in (128, 256)]  # fmt: skip
+                for split in splits for bn in GEMV_EXPAND_COLUMNS]  # fmt: skip
         if slices == 2:
             out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True,
                                   gemv_expand=True) for split in splits[:2]]  # fmt: skip
         out += [MoeLoraConfig("split", bk, bn, split_k=split, gemv_shrink=True, gemv_expand=True)
-                for split in gemv_splits[:3] for bn in (128, 256)]  # fmt: skip
+                for split in gemv_splits[:3] for bn in GEMV_EXPAND_COLUMNS]  # fmt: skip
     elif num_pairs < PREFILL_MIN_PAIRS:
         # Sorted decode blocks hold a few pairs in 16 to 64 rows: expands over more N tiles
         # each, of half or quarter blocks. H200, GPT-OSS gate/up at 256 tokens in blocks of 64

@@ -100,10 +100,10 @@ def test_gemv_expand_is_refused_outside_the_split_variant_and_over_tiles() -> No
 
 
 def test_gemv_expand_is_a_candidate_of_the_naive_form_only() -> None:
-    """Offered at decode in the naive form after both shrinks, over 128 or 256 columns."""
+    """Offered at decode in the naive form after both shrinks, over 128 to 1,024 columns."""
     naive = [c for c in candidates(2048, 32, 2, naive=True) if c.gemv_expand]
     assert {c.gemv_shrink for c in naive} == {False, True}
-    assert {c.block_n for c in naive} == {128, 256}
+    assert {c.block_n for c in naive} == {128, 256, 512, 1024}
     assert not any(c.gemv_expand for c in candidates(2048, 32, 2))
 
 

@@ -50,6 +50,8 @@ GEMV_EXPAND = MoeLoraConfig(
     "split", block_k=128, block_n=256, split_k=4, fuse_slices=True, gemv_expand=True
 )
 GEMV_BOTH = dataclasses.replace(GEMV, block_n=256, gemv_expand=True)
+# Over 1,024 columns: one partial tile over N of 768, 63 and 96, three over 2880 (the last of 832).
+GEMV_WIDE = dataclasses.replace(GEMV_BOTH, block_n=1024)
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = 2e-2  # bf16 operands: 1e-3 to 1e-2 relative (METHOD.md)
 
@@ -117,7 +119,9 @@ def test_gemv_shrink_matches_reference(name: str, split: int, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("config", [GEMV_EXPAND, GEMV_BOTH], ids=["dot_shrink", "gemv_shrink"])
+@pytest.mark.parametrize(
+    "config", [GEMV_EXPAND, GEMV_BOTH, GEMV_WIDE], ids=["dot_shrink", "gemv_shrink", "wide"]
+)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gemv_expand_matches_reference(
     name: str, config: MoeLoraConfig, dtype: torch.dtype
