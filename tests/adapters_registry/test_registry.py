@@ -207,8 +207,8 @@ async def test_register_pinned_pins_known_bytes_and_its_own_pin_is_no_conflict(r
     again = await reg.register("bot", rig.source("bot-v2", seed=2), pinned=True)
     assert again.pinned and again.tier == "gpu" and engine.pinned == {again.engine_id}
     with pytest.raises(AdapterConflict, match="pinned already"):
-        await reg.register("other", rig.source("other", seed=3), pinned=True)
-    assert "other" not in reg.names()
+        await reg.register("second", rig.source("second", seed=3), pinned=True)
+    assert "second" not in reg.names()
 
 
 async def test_a_rollback_whose_write_response_is_lost_applies_once(
