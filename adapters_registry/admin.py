@@ -157,11 +157,26 @@ class ManagedRegistry(AdapterRegistry):
             entry = self.catalog.entry(name)
             if entry is None or entry.pinned == pinned:
                 return None
+            # The engine's limit held on this replica; the catalog's counts every replica's
+            # pins (two replicas pinning at once would each keep its own pin, forever).
+            others = [n for n in self.catalog.names() if n != name and self._is_pinned(n)]
+            if pinned and len(others) >= self.tiers.max_pinned:
+                raise AdapterConflict(
+                    f"cannot pin `{name}`: {', '.join(others)} already pinned in the catalog "
+                    f"(at most {self.tiers.max_pinned}: engine.max_loras - 1)",
+                    param="pinned",
+                )
             return Catalog.event("pin", name, pinned=pinned)
 
-        await self._append(plan)
-        await self._reconcile()
+        try:
+            await self._append(plan)
+        finally:
+            await self._reconcile()  # also drops this replica's pin where the catalog refused
         return self.info(name)
+
+    def _is_pinned(self, name: str) -> bool:
+        entry = self.catalog.entry(name)
+        return entry is not None and entry.pinned
 
     async def evict(self, name: str, tier: EvictTier) -> AdapterInfo:
         """Drop the current version from `tier` and the tiers above it, on this replica.
@@ -195,6 +210,8 @@ class ManagedRegistry(AdapterRegistry):
             to = target or (entry.history[-1] if entry.history else None)
             if to is None:
                 raise AdapterConflict(f"`{name}` has no earlier version to roll back to")
+            if to not in self.catalog.versions(name):  # deleted on another replica meanwhile
+                raise AdapterNotFound(f"The model `{name}@{to}` does not exist.", param="version")
             if to == entry.version:
                 return None
             return Catalog.event("move", name, version=to, rollback=True)

@@ -19,6 +19,7 @@ block and are run in threads. `apply` mutates and must be called on one task at 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,12 @@ from loraplex.adapters_registry.store import ObjectExists, ObjectMissing, Object
 LOG_PREFIX = "catalog/log/"
 SNAPSHOT_PREFIX = "catalog/snapshot/"
 SNAPSHOT_EVERY = 256
+# Waits before each read of a log entry whose write was refused as conflicting, for the other
+# write to land (`Catalog._settled_event`): reads at 0, 0.1, 0.3, 0.7, 1.5 and 3.1 s.
+WRITE_SETTLE_DELAYS_S = (0.0, 0.1, 0.2, 0.4, 0.8, 1.6)
 BLOB_PREFIX = "blobs/sha256/"
+
+log = logging.getLogger(__name__)
 
 
 def log_key(seq: int) -> str:
@@ -144,7 +150,13 @@ class Catalog:
             self._move(name, record.version, at)
             self._names[name].pinned = bool(event.get("pinned", self._names[name].pinned))
         elif op == "move":
-            self._move(name, event["version"], at, rollback=bool(event.get("rollback")))
+            # Only to a version the name has: a rollback planned on a replica's stale state
+            # could name one deleted meanwhile, which resolve() cannot serve.
+            if event["version"] in self._versions.get(name, {}):
+                self._move(name, event["version"], at, rollback=bool(event.get("rollback")))
+            else:
+                log.warning("catalog event %d moves `%s` to unknown version %s: ignored",
+                            seq, name, event["version"])  # fmt: skip
         elif op == "pin":
             if name in self._names:
                 self._names[name].pinned = bool(event["pinned"])
@@ -214,9 +226,24 @@ class Catalog:
         try:
             self.store.put_bytes(log_key(seq), json.dumps(event).encode(), if_absent=True)
         except ObjectExists:
-            stored = json.loads(self.store.get_bytes(log_key(seq)))
+            stored = self._settled_event(seq)
+            if stored is None:  # the write in progress failed: `seq` is free
+                return False
             return bool(stored.get("id")) and stored.get("id") == event["id"]
         return True
+
+    def _settled_event(self, seq: int) -> dict[str, Any] | None:
+        """Event `seq` once a write refused as conflicting has settled. S3 answers 409
+        (ConditionalRequestConflict) while another conditional write of the key is in progress,
+        which may be this writer's own earlier attempt (a retried PUT): wait for it to land
+        before comparing ids. None if it never does."""
+        for delay in WRITE_SETTLE_DELAYS_S:
+            time.sleep(delay)
+            try:
+                return dict(json.loads(self.store.get_bytes(log_key(seq))))
+            except ObjectMissing:
+                continue
+        return None
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -17,16 +17,24 @@ _CHUNK = 1 << 20
 
 
 class LocalStore:
-    def __init__(self, root: Path) -> None:
+    """`read_links`: a key may be a link to a file outside the root (read-only sources: a
+    Hugging Face hub snapshot links each file to ../../blobs/). Keys themselves never climb out
+    (`..`); without `read_links` neither may the files they resolve to."""
+
+    def __init__(self, root: Path, *, read_links: bool = False) -> None:
         self.root = root.resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.uri = str(self.root)
+        self._read_links = read_links
 
     def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if not path.is_relative_to(self.root):
+        path = Path(os.path.normpath(self.root / key))
+        resolved = path.resolve()
+        if not path.is_relative_to(self.root) or not (
+            self._read_links or resolved.is_relative_to(self.root)
+        ):
             raise ValueError(f"key {key!r} escapes the store root")
-        return path
+        return path if self._read_links else resolved
 
     def _temp_beside(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,9 @@ def _load_config(folder: Path) -> dict[str, Any]:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except FileNotFoundError as e:
         raise invalid("missing_config", f"{CONFIG_FILE} is missing", CONFIG_FILE) from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise invalid("bad_config", f"{CONFIG_FILE} is not valid JSON: {e}", CONFIG_FILE) from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        # RecursionError: nesting deeper than the parser's stack ("[" x 200,000)
+        raise invalid("bad_config", f"{CONFIG_FILE} is not valid JSON: {e!r}", CONFIG_FILE) from e
     if not isinstance(config, dict):
         raise invalid("bad_config", f"{CONFIG_FILE} is not a JSON object", CONFIG_FILE)
     return config
@@ -201,7 +202,13 @@ def _check_targets(config: dict[str, Any], spec: BaseModelSpec, clock: PatternCl
             "bad_config", f"{CONFIG_FILE}: target_modules must be a list or a regex string",
             "target_modules",
         )  # fmt: skip
-    for param in config.get("target_parameters") or []:
+    params = config.get("target_parameters") or []
+    if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: target_parameters must be a list of strings",
+            "target_parameters",
+        )  # fmt: skip
+    for param in params:
         if spec.moe is None or param.rsplit(".", 1)[-1] not in ("gate_up_proj", "down_proj"):
             raise invalid(
                 "target_modules",

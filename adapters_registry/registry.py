@@ -145,15 +145,16 @@ class AdapterRegistry:
             await self._loads.do(record.engine_id, lambda: self._make_resident(record))
 
     async def _make_resident(self, record: VersionRecord) -> None:
-        with _unavailable_on_failure(record, "loaded"):
+        # In use from before the disk lookup: another download making room between the lookup
+        # (or this fetch) and the engine's load could otherwise evict the folder it loads.
+        with _unavailable_on_failure(record, "loaded"), self.cache.in_use(record.version):
             fetched = await self._on_disk(record)
             if fetched or record.version in self._fetched_ahead:
                 self._fetched_ahead.discard(record.version)
                 self.metrics.misses.labels("disk").inc()
             else:
                 self.metrics.hits.labels("disk").inc()
-            with self.cache.in_use(record.version):
-                await self.tiers.load(self._servable(record), record.size_bytes)
+            await self.tiers.load(self._servable(record), record.size_bytes)
 
     async def _on_disk(self, record: VersionRecord) -> bool:
         """Whether the files had to be fetched (by this call or one it joined)."""

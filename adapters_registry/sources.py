@@ -29,13 +29,17 @@ def open_source(source: str, settings: RegistrySettings) -> ObjectStore:
             return open_store(source, settings)
         except ValueError as e:
             raise AdapterInvalid(str(e), param="source", reason="source") from e
-    if not Path(source).is_dir():
+    try:
+        is_dir = Path(source).is_dir()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise AdapterInvalid(f"source: {e}", param="source", reason="source") from e
+    if not is_dir:
         raise AdapterInvalid(
             f"source {source!r} is neither s3://bucket/prefix nor an existing local directory",
             param="source",
             reason="source",
         )
-    return LocalStore(Path(source))
+    return LocalStore(Path(source), read_links=True)
 
 
 def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:

@@ -7,6 +7,7 @@ Failures are one of the errors below; `StoreUnavailable` means retries were exha
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -69,6 +70,11 @@ class ObjectStore(Protocol):
         ...
 
 
+# botocore's own check (handlers.VALID_BUCKET), which otherwise fails the first request with a
+# ParamValidationError that reads as the store being down.
+_BUCKET_RE = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+
+
 def split_s3_uri(uri: str) -> tuple[str, str]:
     """`s3://bucket/a/b/` -> ("bucket", "a/b"); raises ValueError on anything else."""
     if not uri.startswith("s3://"):
@@ -76,6 +82,10 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     bucket, _, prefix = uri[len("s3://") :].partition("/")
     if len(bucket) < 3:
         raise ValueError(f"S3 bucket name in {uri!r} must have at least 3 characters")
+    if not _BUCKET_RE.fullmatch(bucket):
+        raise ValueError(
+            f"S3 bucket name {bucket!r} may hold only letters, digits, '.', '-' and '_'"
+        )
     return bucket, prefix.strip("/")
 
 

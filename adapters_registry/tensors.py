@@ -58,8 +58,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             )
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HeaderError(f"{path.name}: header is not valid JSON ({e})") from e
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            # RecursionError: nesting deeper than the parser's stack ("[" x 200,000)
+            raise HeaderError(f"{path.name}: header is not valid JSON ({e!r})") from e
     if not isinstance(header, dict):
         raise HeaderError(f"{path.name}: header is not a JSON object")
     data_size = file_size - 8 - header_len
@@ -98,7 +99,7 @@ def _check_entry(file: str, name: str, meta: object, data_size: int) -> tuple[Te
     if not isinstance(meta, dict):
         raise HeaderError(f"{file}: entry for tensor `{name}` is not an object")
     dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise HeaderError(f"{file}: tensor `{name}` has unknown dtype {dtype!r}")
     if not (isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape)):
         raise HeaderError(f"{file}: tensor `{name}` has invalid shape {shape!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.names import AdapterRef, check_name, parse_ref
 from loraplex.adapters_registry.s3_store import S3Store
 from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.adapters_registry.store import ObjectExists, ObjectMissing
 
 
 def record(name: str, version: str, engine_id: int) -> VersionRecord:
@@ -124,3 +126,46 @@ def test_a_write_retried_after_a_lost_response_counts_as_written(
     assert cat.write_event(1, first)
     assert cat.write_event(1, first)  # the same event again: already there, written
     assert not cat.write_event(1, Catalog.event("move", "x", version="a" * 64))
+
+
+class _ConflictingStore(LocalStore):
+    """S3 under a concurrent conditional write of a log entry: the put is refused (409) while
+    the entry is not readable yet, and `lands` says what appears `after` reads (None: never)."""
+
+    def __init__(self, root: Path, lands: dict | None, after: int) -> None:
+        super().__init__(root)
+        self.lands, self.after, self.reads = lands, after, 0
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        raise ObjectExists(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        self.reads += 1
+        if self.lands is not None and self.reads > self.after:
+            super().put_bytes(key, json.dumps(self.lands).encode())
+            return super().get_bytes(key)
+        raise ObjectMissing(key)
+
+
+def test_a_write_refused_while_another_is_in_progress_waits_for_it_to_settle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(catalog_module, "WRITE_SETTLE_DELAYS_S", (0.0, 0.0, 0.0))
+    mine = Catalog.register_event(record("x", "a" * 64, 1), pinned=False)
+    theirs = Catalog.event("move", "x", version="a" * 64)
+    # Our own earlier attempt lands on the second read: written (the id is ours).
+    assert Catalog(_ConflictingStore(tmp_path / "ours", mine, after=1)).write_event(1, mine)
+    # Another writer's lands: not written, the caller re-plans.
+    assert not Catalog(_ConflictingStore(tmp_path / "theirs", theirs, after=2)).write_event(1, mine)
+    # The write in progress fails and nothing lands: the number is free, the caller re-plans.
+    never = _ConflictingStore(tmp_path / "never", None, after=0)
+    assert not Catalog(never).write_event(1, mine) and never.reads == 3
+
+
+def test_a_move_to_a_version_the_name_no_longer_has_is_ignored(tmp_path: Path) -> None:
+    """What a log written before rollbacks were checked on fresh state may hold."""
+    cat = Catalog(LocalStore(tmp_path))
+    append(cat, Catalog.register_event(record("x", "a" * 64, 1), pinned=False))
+    append(cat, Catalog.event("move", "x", version="f" * 64, rollback=True))
+    for c in (cat, replay(cat.store)):
+        assert c.resolve(AdapterRef("x")).version == "a" * 64

@@ -10,6 +10,7 @@ import asyncio
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -23,6 +24,7 @@ from loraplex.adapters_registry.base import (
     AdapterNotFound,
     AdapterUnavailable,
 )
+from loraplex.adapters_registry.disk_cache import CacheError
 from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import ObjectExists
@@ -312,3 +314,78 @@ async def test_pin_follows_the_name_to_a_new_version(rig: Rig) -> None:
     v2 = await reg.register("bot", rig.source("v2", seed=2))
     assert v2.pinned and v2.tier == "gpu" and engine.pinned == {v2.engine_id}
     assert v1.engine_id not in engine.pinned
+
+
+async def test_a_rollback_planned_on_stale_state_to_a_deleted_version_is_refused(
+    rig: Rig,
+) -> None:
+    a, b = await rig.registry("a"), await rig.registry("b")
+    v1 = (await a.register("x", rig.source("x1", seed=1))).version
+    await a.register("x", rig.source("x2", seed=2))
+    await b.refresh()
+    await a.delete("x")
+    v3 = (await a.register("x", rig.source("x3", seed=3))).version
+    # b has not polled since: it still knows x@v1, which the deletion removed.
+    with pytest.raises(AdapterNotFound) as err:
+        await b.rollback("x", v1)
+    assert err.value.param == "version"
+    for reg in (a, b, await rig.registry("c")):
+        await reg.refresh()
+        assert reg.info("x").version == v3 and [i.name for i in reg.list()] == ["x"]
+
+
+async def test_pins_on_two_replicas_at_once_are_held_to_the_catalogs_limit(rig: Rig) -> None:
+    a_engine, b_engine = FakeEngine(), FakeEngine()
+    a, b = await rig.registry("a", a_engine), await rig.registry("b", b_engine)  # one pin each
+    await a.register("x", rig.source("x", seed=1))
+    await a.register("y", rig.source("y", seed=2))
+    await b.refresh()
+    await a.set_pinned("x", True)
+    # b has not polled: its engine has room, so only the catalog can refuse.
+    with pytest.raises(AdapterConflict, match="x already pinned in the catalog") as err:
+        await b.set_pinned("y", True)
+    assert err.value.param == "pinned"
+    x_id = b.resolve("x").engine_id
+    assert not b.info("y").pinned and b.info("x").pinned and b_engine.pinned == {x_id}
+    await a.refresh()
+    assert a_engine.pinned == {x_id} and not a.info("y").pinned
+
+
+async def test_a_local_source_whose_files_link_out_of_it_registers(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """A Hugging Face hub snapshot: each file a link to ../../blobs/<hash>."""
+    rig.source("linked")
+    files = rig.tmp / "src" / "linked"  # the folder rig.source wrote
+    snapshot = tmp_path / "hub" / "snapshots" / "rev"
+    (tmp_path / "hub" / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in files.iterdir():
+        blob = tmp_path / "hub" / "blobs" / f.name
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(Path("../..") / "blobs" / f.name)
+    reg = await rig.registry("a")
+    info = await reg.register("linked", str(snapshot))
+    assert info.version and reg.names() == ["linked"]
+
+
+async def test_the_disk_cache_keeps_a_version_from_its_fetch_to_its_load(rig: Rig) -> None:
+    """Another download making room right after x's fetch must not evict x before its load."""
+    reg = await rig.registry("a")
+    x = reg.resolve((await reg.register("x", rig.source("x", seed=1))).name)
+    y = reg.resolve((await reg.register("y", rig.source("y", seed=2))).name)
+    for version in (x.version, y.version):
+        reg.cache.evict(version)
+    reg.cache.capacity_bytes = int(x.size_bytes * 1.5)  # room for one adapter
+    fetch_x = reg._on_disk
+
+    async def fetch_then_another_download(record: Any) -> bool:
+        fetched = await fetch_x(record)
+        get = lambda e, dest: reg.store.download(f"blobs/sha256/{e.sha256}", dest)  # noqa: E731
+        with pytest.raises(CacheError, match="full of adapters in use"):  # x is, from now on
+            await asyncio.to_thread(reg.cache.fetch, y.version, y.files, get)
+        return fetched
+
+    reg._on_disk = fetch_then_another_download  # type: ignore[method-assign]
+    async with reg.lease("x") as adapter:
+        assert adapter.path.exists()

@@ -306,3 +306,45 @@ def test_a_pattern_that_backtracks_without_end_is_refused(
     config = adapter_config(**change)
     err = refused(write_adapter(tmp_path / "a", config), dense, "bad_config")
     assert err.param == param and "backtracks too much" in err.message
+
+
+@pytest.mark.parametrize(
+    ("header", "named"),
+    [({"t": {"dtype": ["F16"], "shape": [1], "data_offsets": [0, 2]}}, "unknown dtype"),
+     ("[" * 200_000, "not valid JSON")],
+    ids=["dtype-list", "nested-200k"],
+)  # fmt: skip
+def test_a_malformed_header_is_a_header_error_not_a_crash(
+    tmp_path: Path, header: object, named: str
+) -> None:
+    raw = (header if isinstance(header, str) else json.dumps(header)).encode()
+    path = tmp_path / "adapter_model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0\0")
+    with pytest.raises(HeaderError, match=named):
+        read_header(path)
+
+
+@pytest.mark.parametrize(
+    ("config_text", "param"),
+    [("[" * 200_000, "adapter_config.json"),
+     (json.dumps(adapter_config(target_parameters=5)), "target_parameters"),
+     (json.dumps(adapter_config(target_parameters=["experts.down_proj", 7])), "target_parameters")],
+    ids=["nested-200k", "target-parameters-int", "target-parameters-list-int"],
+)  # fmt: skip
+def test_a_malformed_config_is_refused_naming_the_field(
+    tmp_path: Path, dense: BaseModelSpec, config_text: str, param: str
+) -> None:
+    folder = write_adapter(tmp_path / "a", adapter_config())
+    (folder / "adapter_config.json").write_text(config_text)
+    assert refused(folder, dense, "bad_config").param == param
+
+
+@pytest.mark.parametrize(
+    "source", ["/" + "x" * 300, "s3://bad_bucket!/x/"], ids=["path-too-long", "bucket-chars"]
+)
+def test_a_source_that_cannot_name_anything_is_refused_naming_source(
+    tmp_path: Path, source: str
+) -> None:
+    with pytest.raises(AdapterInvalid) as err:
+        fetch_source(source, tmp_path, RegistrySettings())
+    assert err.value.param == "source" and err.value.http_status == 400
