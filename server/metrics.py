@@ -141,7 +141,7 @@ class GatewayMetrics:
             registry=registry,
         )
         self.prompt_tokens = counter(
-            "loraplex_prompt_tokens", "Prompt tokens of finished requests.", per_request
+            "loraplex_prompt_tokens", "Prompt tokens of requests the engine took.", per_request
         )
         self.generation_tokens = counter(
             "loraplex_generation_tokens", "Generated tokens.", per_request
@@ -185,7 +185,7 @@ class GatewayMetrics:
             return  # refused before it named a model: counted above, nothing else to time
         if record.queued_s is not None:
             self.queue_time.labels(labels[0]).observe(record.queued_s)
-        if record.prompt_tokens:
+        if record.prompt_tokens and record.reached_engine:
             self.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
         if record.completion_tokens:
             self.generation_tokens.labels(*labels).inc(record.completion_tokens)

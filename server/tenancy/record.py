@@ -27,6 +27,9 @@ class RequestRecord:
     queued_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Set when the request is handed to the engine: only then were its prompt tokens processed,
+    # so only then do they count against the tenant's quota and in the token metrics.
+    reached_engine: bool = False
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
@@ -79,5 +82,7 @@ class RequestRecord:
         return gaps
 
     @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+    def processed_tokens(self) -> int:
+        """Tokens the engine processed: prompt and output, nothing if it never saw the request
+        (refused, failed before the engine, client gone while queued)."""
+        return self.prompt_tokens + self.completion_tokens if self.reached_engine else 0

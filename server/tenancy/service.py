@@ -4,7 +4,8 @@ Per request, in order: `authenticate` (401), then the route checks `tenant.may_u
 exactly like an unknown model), then `admit` (429 quota / 503 queue full, before any response
 byte), then `Admitted.turn` waits for the fair engine slot inside the response (the gateway leases
 the adapter only then), and `Admitted.generate` streams the engine's outputs, counting tokens into
-the request's record. Closing frees the slot and charges the tenant's token quota.
+the request's record. Closing frees the slot and charges the tenant's token quota with the tokens
+the engine processed (none for a request that failed or left before it reached the engine).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Admitted:
         """Wait for the fair engine slot (`turn`), then stream the engine's outputs."""
         await self.turn()
         record = self._record
+        if record is not None:
+            record.reached_engine = True
         stream = engine.generate(
             prompt_token_ids, params, adapter, request_id, priority=self._entry.engine_priority
         )
@@ -77,7 +80,7 @@ class Admitted:
 
     def close(self) -> None:
         record = self._record
-        self._entry.close(record.total_tokens if record is not None else 0)
+        self._entry.close(record.processed_tokens if record is not None else 0)
 
 
 class Tenancy:

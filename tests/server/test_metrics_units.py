@@ -37,7 +37,7 @@ NAME_ENDINGS = {
 def finished_record(adapter: str | None = "acme/bot") -> RequestRecord:
     r = RequestRecord("rid", "POST", "/v1/chat/completions", started=100.0)
     r.tenant, r.model, r.adapter, r.status = "acme", adapter or "base-model", adapter, 200
-    r.queued_s, r.prompt_tokens = 0.02, 7
+    r.queued_s, r.prompt_tokens, r.reached_engine = 0.02, 7, True
     r.on_tokens(1, 100.1)
     r.on_tokens(2, 100.3)
     r.on_tokens(1, 100.4)

@@ -9,15 +9,19 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr, ValidationError
 
 from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.errors import QueueFull, RateLimited, TenantConflict, Unauthorized
 from loraplex.server.tenancy.keys import HashedKey, lookup_id, new_key
 from loraplex.server.tenancy.model import Tenant, TenantSource
 from loraplex.server.tenancy.quotas import QuotaGate, TokenBucket
+from loraplex.server.tenancy.record import RequestRecord
+from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import Quotas, TenancySettings, TenantConfig
 from loraplex.server.tenancy.store import TenantStore
 
@@ -342,3 +346,40 @@ def test_public_view_shows_no_secret() -> None:
     hashed = directory.get("acme").keys[0]
     assert ACME_KEY not in view and hashed.digest not in view and hashed.salt not in view
     assert hashed.key_id in view
+
+
+# --- what a request is charged -----------------------------------------------------------------
+def test_a_request_that_never_reached_the_engine_is_charged_no_tokens() -> None:
+    """A cold adapter whose download fails after admission (503), or a client gone while
+    queued: the engine processed none of the prompt, so neither the quota nor the token
+    metrics count it. A request the engine took is charged its prompt and output."""
+    config = settings(tenants=[{"id": "acme", "api_keys": [ACME_KEY],
+                                "quotas": {"tokens_per_minute": 1000}}])  # fmt: skip
+    metrics = GatewayMetrics(CollectorRegistry(), adapter_label_top_k=0)
+    tenancy = Tenancy(config, TenantDirectory(config, None, None), metrics)
+    acme = tenancy.authenticate(ACME_KEY, None)
+
+    def finish(reached_engine: bool) -> None:
+        record = RequestRecord("r", "POST", "/v1/completions", 0.0, tenant="acme", model="m")
+        admitted = tenancy.admit(acme, record, model="m", adapter=None, prompt_tokens=1500,
+                                 max_tokens=10)  # fmt: skip
+        record.reached_engine, record.status = reached_engine, 503
+        admitted.close()
+        metrics.observe_request(record)
+
+    def prompt_tokens() -> float:
+        value = metrics.registry.get_sample_value(
+            "loraplex_prompt_tokens_total", {"tenant": "acme"}
+        )
+        return value or 0.0
+
+    async def run() -> None:
+        for _ in range(3):
+            finish(reached_engine=False)  # each admitted: no debt left behind
+        assert prompt_tokens() == 0
+        finish(reached_engine=True)
+        assert prompt_tokens() == 1500
+        with pytest.raises(RateLimited):  # 500 tokens of debt
+            tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=1, max_tokens=1)
+
+    asyncio.run(run())
