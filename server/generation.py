@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -60,6 +61,8 @@ from loraplex.server.tenancy.service import Admitted, Tenancy
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # nginx's code for "client closed request": what the access log records for a client that left.
 CLIENT_CLOSED_REQUEST = 499
@@ -190,25 +193,39 @@ async def _stream(request: Request, gw: Gateway, body: Any, prep: Prepared) -> A
     # Chat streams open with the assistant's role, sent with the first token rather than at once:
     # clients time TTFT from the first chunk.
     announced = prep.meta.kind != "chat"
+    record = record_of(request)
+    ended = False  # the stream's last event went out: [DONE] or an error
     try:
-        async with aclosing(_deltas(gw, body, prep, choices)) as deltas:
-            async for state, text, logprobs in deltas:
-                if not announced:
-                    announced = True
-                    for i in range(body.n):
-                        yield _sse(chunk(prep.meta, i, "", None, role=True))
-                if text or logprobs or state.finish_reason:
-                    yield _sse(chunk(prep.meta, state.index, text, state.finish_reason, logprobs))
-    except ApiError as e:  # headers are sent: report the error in-band, as OpenAI does
-        record = record_of(request)
-        if record is not None:
-            record.error_type = e.code
-        yield _sse(error_body(e.message, e.type, e.code, e.param))
-        return
-    if body.include_usage_in_stream:
-        completion = sum(c.token_count for c in choices.values())
-        yield _sse(usage_chunk(prep.meta, len(prep.prompt_ids), completion))
-    yield b"data: [DONE]\n\n"
+        try:
+            async with aclosing(_deltas(gw, body, prep, choices)) as deltas:
+                async for state, text, logprobs in deltas:
+                    if not announced:
+                        announced = True
+                        for i in range(body.n):
+                            yield _sse(chunk(prep.meta, i, "", None, role=True))
+                    if text or logprobs or state.finish_reason:
+                        yield _sse(
+                            chunk(prep.meta, state.index, text, state.finish_reason, logprobs)
+                        )
+        except Exception as e:  # headers are sent: report the error in-band, as OpenAI does
+            if isinstance(e, ApiError):
+                error = error_body(e.message, e.type, e.code, e.param)
+            else:  # what a whole response answers with a 500 (errors.py)
+                log.exception("stream %s failed", record.request_id if record else "?")
+                error = error_body("Internal server error.", "server_error", "internal_error")
+            if record is not None:
+                record.error_type = error["error"]["code"]
+            yield _sse(error)
+            ended = True
+            return
+        if body.include_usage_in_stream:
+            completion = sum(c.token_count for c in choices.values())
+            yield _sse(usage_chunk(prep.meta, len(prep.prompt_ids), completion))
+        yield b"data: [DONE]\n\n"
+        ended = True
+    finally:
+        if not ended and record is not None:  # the client left (or a send failed) mid-stream
+            record.status = CLIENT_CLOSED_REQUEST
 
 
 class _ClosingStream(StreamingResponse):
