@@ -114,17 +114,30 @@ def as_api_error(error: AdapterError) -> ApiError:
     return translated
 
 
-def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str]:
+# What pydantic appends to a location inside a union field (`prompt.str`,
+# `stop.list[str]`, `function-after[...]`): a member's type, not a field.
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|none)|[a-z-]+\[.*\]")
+
+
+def _describe_validation_error(err: dict[str, Any]) -> tuple[str | None, str]:
     """('messages.0.role', "`messages.0.role`: Input should be 'system', 'user' or ...").
 
     Checks across fields report no location; their message names the field first, in backticks.
+    A body that is not JSON at all names no field (OpenAI's param null).
     """
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     message = err.get("msg", "invalid value")
-    if not loc:
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    if err.get("type") == "json_invalid":  # its location is a byte offset
+        return None, f"the body is not valid JSON (at byte {'.'.join(loc) or '?'}): {message}"
+    field = []
+    for part in loc:
+        if _UNION_MEMBER.fullmatch(part):
+            break
+        field.append(part)
+    if not field:
         named = re.search(r"`([A-Za-z_][A-Za-z_0-9.]*)`", message)
         return (named.group(1) if named else "body"), message
-    param = ".".join(loc)
+    param = ".".join(field)
     return param, f"`{param}`: {message}"
 
 
@@ -139,16 +152,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        param, message = _describe_validation_error(errors[0]) if errors else ("body", "invalid")
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more errors)"
+        described = [_describe_validation_error(e) for e in exc.errors()]
+        param, message = described[0] if described else ("body", "invalid")
+        # A union field reports one error per member type: one field's errors count once.
+        others = len({p for p, _ in described} - {param})
+        if others:
+            message += f" (and errors in {others} more fields)"
         return error_response(InvalidRequest(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_, None), status_code=exc.status_code)
+        return JSONResponse(  # its headers too: a 405's Allow (RFC 9110)
+            error_body(str(exc.detail), type_, None),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

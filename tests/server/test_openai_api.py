@@ -256,6 +256,31 @@ def test_malformed_json_is_400_envelope(embedded_server: ServerProcess) -> None:
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    error = r.json()["error"]
+    assert error["param"] is None and "not valid JSON (at byte 1)" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [("/v1/completions", {"prompt": 123}, "prompt"),
+     ("/v1/completions", {"prompt": "Hi", "stop": 123}, "stop"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+      "messages.0.content")],
+    ids=["prompt", "stop", "content"],
+)  # fmt: skip
+def test_a_union_field_of_no_allowed_type_is_named_without_its_member_types(
+    embedded_server: ServerProcess, path: str, body: dict, param: str
+) -> None:
+    r = httpx.post(embedded_server.base_url + path, json={"model": BASE, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert error["message"].startswith(f"`{param}`: ") and "more fields" not in error["message"]
+
+
+def test_a_wrong_method_is_405_saying_which_are_allowed(embedded_server: ServerProcess) -> None:
+    r = httpx.get(embedded_server.base_url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_body_over_the_cap_is_413_and_the_server_keeps_serving(client: openai.OpenAI) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,23 @@ def test_cross_field_error_prints_both_values() -> None:
 
 def test_bound_violation_names_field_and_bound() -> None:
     with pytest.raises(ConfigError) as e:
-        load_settings(engine={"max_lora_rank": 0})
+        load_settings(engine={"max_num_seqs": 0})
     message = str(e.value)
-    assert "engine.max_lora_rank" in message and "greater than or equal to 1" in message
+    assert "engine.max_num_seqs" in message and "greater than or equal to 1" in message
+
+
+@pytest.mark.parametrize(
+    ("engine", "named"),
+    [({"max_lora_rank": 24}, "engine.max_lora_rank"),
+     ({"max_num_seqs": 64, "max_num_batched_tokens": 32},
+      "engine.max_num_batched_tokens (32) must be >= engine.max_num_seqs (64)")],
+    ids=["rank-vllm-refuses", "step-budget-below-seqs"],
+)  # fmt: skip
+def test_engine_values_vllm_refuses_at_start_are_refused_in_the_settings(
+    engine: dict, named: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_settings(engine=engine)
 
 
 @pytest.mark.parametrize(
