@@ -27,7 +27,12 @@ from typing import Any
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
 from loraplex.adapters_registry.names import AdapterRef
-from loraplex.adapters_registry.store import ObjectExists, ObjectMissing, ObjectStore
+from loraplex.adapters_registry.store import (
+    ObjectExists,
+    ObjectMissing,
+    ObjectStore,
+    StoreUnavailable,
+)
 
 LOG_PREFIX = "catalog/log/"
 SNAPSHOT_PREFIX = "catalog/snapshot/"
@@ -204,6 +209,25 @@ class Catalog:
         self._names = {n["name"]: NameEntry(**n) for n in snap["names"]}
         self._max_engine_id = max(self._max_engine_id, int(snap["max_engine_id"]))
         self.last_seq = int(snap["seq"])
+        self._drop_dangling_versions()
+
+    def _drop_dangling_versions(self) -> None:
+        """A snapshot written before moves were checked (`apply`) may point a name at a version
+        it does not have: back to the last one its history has, or the name goes."""
+        for name, entry in list(self._names.items()):
+            versions = self._versions.get(name, {})
+            if entry.version in versions:
+                continue
+            known = [v for v in entry.history if v in versions]
+            if known:
+                log.warning("catalog snapshot points `%s` at unknown version %s: back to %s",
+                            name, entry.version, known[-1])  # fmt: skip
+                entry.version, entry.history = known[-1], known[:-1]
+            else:
+                log.warning("catalog snapshot points `%s` at unknown version %s and has no "
+                            "other: dropped", name, entry.version)  # fmt: skip
+                del self._names[name]
+                self._versions.pop(name, None)
 
     def fetch_events(self) -> list[tuple[int, dict[str, Any]]]:
         """Events after `last_seq` in order, stopping at the first gap (a write not yet seen)."""
@@ -225,10 +249,13 @@ class Catalog:
         `seq`. Number `seq` taken by this very event (a retried write) counts as written."""
         try:
             self.store.put_bytes(log_key(seq), json.dumps(event).encode(), if_absent=True)
-        except ObjectExists:
+        except ObjectExists as conflict:
             stored = self._settled_event(seq)
-            if stored is None:  # the write in progress failed: `seq` is free
-                return False
+            if stored is None:  # failed, or still coming: whose it is cannot be told yet
+                raise StoreUnavailable(
+                    f"{log_key(seq)}: a conflicting write has not landed after "
+                    f"{sum(WRITE_SETTLE_DELAYS_S):.1f} s"
+                ) from conflict
             return bool(stored.get("id")) and stored.get("id") == event["id"]
         return True
 

@@ -24,10 +24,12 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from loraplex.adapters_registry.admin import ManagedRegistry
+from loraplex.adapters_registry.base import AdapterError
 from loraplex.adapters_registry.base_model import load_base_model_spec
 from loraplex.adapters_registry.disk_cache import DiskCache
 from loraplex.adapters_registry.engine import EngineLoraControl
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.names import check_new_name
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import open_store
 from loraplex.adapters_registry.tiers import EngineTiers
@@ -75,6 +77,11 @@ async def seed(registry: ManagedRegistry, folder: Path) -> None:
         lambda: sorted(p for p in folder.iterdir() if (p / CONFIG_FILE).is_file())
     )
     for sub in subfolders:
+        try:
+            check_new_name(sub.name, registry.spec.name)
+        except AdapterError as e:  # a folder a name cannot take must not stop the start
+            log.warning("adapter folder %s not registered: %s", sub, e.message)
+            continue
         info = await registry.register(sub.name, str(sub))
         log.info("adapter %s registered from %s (version %s)", sub.name, sub, info.version[:12])
 

@@ -17,9 +17,10 @@ _CHUNK = 1 << 20
 
 
 class LocalStore:
-    """`read_links`: a key may be a link to a file outside the root (read-only sources: a
-    Hugging Face hub snapshot links each file to ../../blobs/). Keys themselves never climb out
-    (`..`); without `read_links` neither may the files they resolve to."""
+    """`read_links`: a key may be a link to a regular file outside the root (read-only sources:
+    a Hugging Face hub snapshot links each file to ../../blobs/). Keys themselves never climb
+    out (`..`); without `read_links` neither may the files they resolve to. Refusals are
+    ValueErrors."""
 
     def __init__(self, root: Path, *, read_links: bool = False) -> None:
         self.root = root.resolve()
@@ -34,6 +35,9 @@ class LocalStore:
             self._read_links or resolved.is_relative_to(self.root)
         ):
             raise ValueError(f"key {key!r} escapes the store root")
+        if self._read_links and resolved.exists() and not resolved.is_file():
+            # A link to /dev/zero would list as 0 bytes and then read without end.
+            raise ValueError(f"{key} links to {resolved}, which is not a regular file")
         return path if self._read_links else resolved
 
     def _temp_beside(self, path: Path) -> Path:

@@ -21,11 +21,11 @@ from loraplex.adapters_registry.json_values import is_int, is_number
 CONFIG_FILE = "adapter_config.json"
 # Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
 _PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
-# What one adapter's module-name patterns (target_modules as a string, rank_pattern keys) may
-# take to match, together. Ordinary patterns take microseconds; one that backtracks
+# The matching time one adapter's module-name patterns (target_modules as a string, rank_pattern
+# keys) may take, together. Ordinary patterns take microseconds a name; one that backtracks
 # catastrophically grows with the name: `([\w.]|[\w.][\w.]|[\w.][\w.][\w.])*\d` took 19.6 s
 # against one 31-character module name, and takes about 1.84x longer per character.
-PATTERN_BUDGET_S = 1.0
+PATTERN_BUDGET_S = 5.0
 
 
 def invalid(reason: str, message: str, param: str) -> AdapterInvalid:
@@ -132,31 +132,41 @@ def _compile(pattern: object, what: str, param: str) -> regex.Pattern[str]:
 
 
 class PatternClock:
-    """Matches an adapter's module-name patterns within PATTERN_BUDGET_S in all, with the
-    `regex` package, as vLLM matches them. Its `timeout` stops a runaway match, and
+    """Matches an adapter's module-name patterns within PATTERN_BUDGET_S of matching in all,
+    with the `regex` package, as vLLM matches them. Its `timeout` stops a runaway match, and
     `concurrent` lets go of the GIL meanwhile: registration validates in a worker thread, but
     `re` holds the GIL for the whole match, which froze every other request (measured: a
     thread sleeping in 10 ms steps did not run once during a 2 s `re`-style match, and ran
-    throughout with `concurrent`)."""
+    throughout with `concurrent`). Only the matching counts, and each (pattern, name) is
+    matched once: a per-expert MoE adapter holds tens of thousands of tensors, two per module."""
 
     def __init__(self, budget_s: float = PATTERN_BUDGET_S) -> None:
         self.budget_s = budget_s
-        self._deadline = time.monotonic() + budget_s
+        self._spent_s = 0.0
+        self._known: dict[tuple[str, str], bool] = {}
 
     def matches(self, pattern: regex.Pattern[str], name: str, what: str, param: str) -> bool:
-        """Whether `pattern` matches all of `name`."""
-        left = self._deadline - time.monotonic()
+        """Whether `pattern` matches all of `name`; `what` names the config's pattern."""
+        key = (pattern.pattern, name)
+        if key in self._known:
+            return self._known[key]
+        start = time.perf_counter()
         try:
+            left = self.budget_s - self._spent_s
             if left <= 0:
                 raise TimeoutError
-            return pattern.fullmatch(name, timeout=left, concurrent=True) is not None
+            found = pattern.fullmatch(name, timeout=left, concurrent=True) is not None
         except TimeoutError as e:
             raise invalid(
                 "bad_config",
-                f"{CONFIG_FILE}: {what} {pattern.pattern!r} took more than {self.budget_s} s to "
-                f"match against the module names (at {name!r}): it backtracks too much",
+                f"{CONFIG_FILE}: {what} took more than {self.budget_s} s in all to match the "
+                f"module names (at {name!r}): it backtracks too much",
                 param,
             ) from e
+        finally:
+            self._spent_s += time.perf_counter() - start
+        self._known[key] = found
+        return found
 
 
 def rank_for(ranks: dict[str, int], module: str, clock: PatternClock) -> int:
@@ -165,14 +175,14 @@ def rank_for(ranks: dict[str, int], module: str, clock: PatternClock) -> int:
         if not key:
             continue
         suffix = regex.compile(rf"(.*\.)?({key})")  # regex caches compiled patterns
-        if clock.matches(suffix, module, "rank_pattern key", "rank_pattern"):
+        if clock.matches(suffix, module, f"rank_pattern key {key!r}", "rank_pattern"):
             return value
     return ranks[""]
 
 
 def _check_target_regex(targets: str, spec: BaseModelSpec, clock: PatternClock) -> None:
     pattern = _compile(targets, "target_modules regex", "target_modules")
-    what = "target_modules regex"
+    what = f"target_modules regex {targets!r}"
     if not any(clock.matches(pattern, m, what, "target_modules") for m in spec.linear):
         raise invalid(
             "target_modules",

@@ -65,6 +65,8 @@ def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
         raise AdapterInvalid(
             f"{e} vanished from {source} during registration", param="source", reason="source"
         ) from e
+    except ValueError as e:  # a local source's file the store refuses to read (LocalStore)
+        raise AdapterInvalid(f"source {source}: {e}", param="source", reason="source") from e
     except StoreError as e:
         raise AdapterUnavailable(f"cannot read source {source}: {e}", param="source") from e
 

@@ -129,16 +129,29 @@ def _describe_validation_error(err: dict[str, Any]) -> tuple[str | None, str]:
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     if err.get("type") == "json_invalid":  # its location is a byte offset
         return None, f"the body is not valid JSON (at byte {'.'.join(loc) or '?'}): {message}"
-    field = []
-    for part in loc:
-        if _UNION_MEMBER.fullmatch(part):
-            break
-        field.append(part)
+    # An unknown field's own name is the location's last part, whatever it reads like.
+    last = loc[-1:] if err.get("type") == "extra_forbidden" else []
+    field = [p for p in loc[: len(loc) - len(last)] if not _UNION_MEMBER.fullmatch(p)] + last
     if not field:
         named = re.search(r"`([A-Za-z_][A-Za-z_0-9.]*)`", message)
         return (named.group(1) if named else "body"), message
     param = ".".join(field)
     return param, f"`{param}`: {message}"
+
+
+def _top_field(param: str | None) -> str | None:
+    return None if param is None else param.split(".")[0]
+
+
+def _deepest_of_first_field(described: list[tuple[str | None, str]]) -> tuple[str | None, str]:
+    """Among the errors of the first field named, the one deepest inside it: a union field's
+    member that got furthest names the real fault (`messages.0.content.0.text`, not the `str`
+    member's "should be a valid string" at `messages.0.content`)."""
+    if not described:
+        return "body", "invalid"
+    top = _top_field(described[0][0])
+    same = [d for d in described if _top_field(d[0]) == top]
+    return max(same, key=lambda d: len((d[0] or "").split(".")))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -153,9 +166,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         described = [_describe_validation_error(e) for e in exc.errors()]
-        param, message = described[0] if described else ("body", "invalid")
+        param, message = _deepest_of_first_field(described)
         # A union field reports one error per member type: one field's errors count once.
-        others = len({p for p, _ in described} - {param})
+        top = _top_field(param)
+        others = len({_top_field(p) for p, _ in described} - {top})
         if others:
             message += f" (and errors in {others} more fields)"
         return error_response(InvalidRequest(message, param=param))

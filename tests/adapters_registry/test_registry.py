@@ -290,6 +290,9 @@ async def test_pin_replicates_to_other_replicas(rig: Rig) -> None:
 async def test_open_adapter_source_seeds_and_polls(rig: Rig, tmp_path: Path) -> None:
     seeds = tmp_path / "seeds"
     write_adapter(seeds / "seeded", adapter_config(), dense_tensors(seed=21))
+    # Folders a name cannot take (reserved, the base model's) are skipped, not a failed start.
+    write_adapter(seeds / "other", adapter_config(), dense_tensors(seed=22))
+    write_adapter(seeds / "tiny", adapter_config(), dense_tensors(seed=23))
     settings = RegistrySettings(
         store=f"s3://{rig.bucket}/registry", s3_endpoint_url=rig.endpoint, poll_interval_s=0.2
     )

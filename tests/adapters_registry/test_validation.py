@@ -348,3 +348,13 @@ def test_a_source_that_cannot_name_anything_is_refused_naming_source(
     with pytest.raises(AdapterInvalid) as err:
         fetch_source(source, tmp_path, RegistrySettings())
     assert err.value.param == "source" and err.value.http_status == 400
+
+
+def test_a_local_source_file_linked_to_a_device_is_refused_not_read(tmp_path: Path) -> None:
+    """/dev/zero lists as 0 bytes and reads without end."""
+    folder = write_adapter(tmp_path / "src", adapter_config())
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(AdapterInvalid, match="not a regular file") as err:
+        fetch_source(str(folder), tmp_path / "dest", RegistrySettings())
+    assert err.value.param == "source"

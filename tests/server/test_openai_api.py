@@ -265,8 +265,11 @@ def test_malformed_json_is_400_envelope(embedded_server: ServerProcess) -> None:
     [("/v1/completions", {"prompt": 123}, "prompt"),
      ("/v1/completions", {"prompt": "Hi", "stop": 123}, "stop"),
      ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
-      "messages.0.content")],
-    ids=["prompt", "stop", "content"],
+      "messages.0.content"),
+     ("/v1/chat/completions",
+      {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+      "messages.0.content.0.text")],
+    ids=["prompt", "stop", "content", "content-part"],
 )  # fmt: skip
 def test_a_union_field_of_no_allowed_type_is_named_without_its_member_types(
     embedded_server: ServerProcess, path: str, body: dict, param: str

@@ -100,6 +100,13 @@ def test_environment_variables_fill_nested_sections(monkeypatch: pytest.MonkeyPa
     assert settings.engine.max_loras == 3 and settings.http.port == 9001
 
 
+def test_a_lora_rank_from_an_environment_variable_is_read_as_a_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORAPLEX_ENGINE__MAX_LORA_RANK", "32")
+    assert load_settings().engine.max_lora_rank == 32
+
+
 def test_environment_variable_with_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_HTTP__PORT", "70000")
     with pytest.raises(ConfigError) as e:

@@ -97,6 +97,7 @@ async def stream(engine: Generate, leave_after: int | None = None) -> tuple[Clie
 async def test_a_finished_stream_ends_with_done_and_stays_a_200() -> None:
     client, record = await stream(Generate())
     assert client.events[-1] == b"data: [DONE]\n\n" and record.status == 200
+    assert record.reached_engine  # its tokens are charged (Admitted.generate)
 
 
 async def test_an_engine_error_mid_stream_ends_it_with_an_error_event() -> None:
