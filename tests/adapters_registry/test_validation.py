@@ -23,6 +23,7 @@ from registry_builders import (
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
 from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.adapters_registry.peft_config import PatternClock, rank_for
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.sources import fetch_source
 from loraplex.adapters_registry.tensors import HeaderError, read_header
@@ -358,3 +359,11 @@ def test_a_local_source_file_linked_to_a_device_is_refused_not_read(tmp_path: Pa
     with pytest.raises(AdapterInvalid, match="not a regular file") as err:
         fetch_source(str(folder), tmp_path / "dest", RegistrySettings())
     assert err.value.param == "source"
+
+
+def test_the_first_rank_pattern_key_that_is_a_suffix_of_the_module_wins() -> None:
+    ranks = {"": 4, "q_proj": 8, r"layers\.0\.self_attn\.q_proj": 16, r"(?P<c>\w)(?P=c)_proj": 2}
+    assert rank_for(ranks, "model.layers.0.self_attn.q_proj", PatternClock()) == 8
+    assert rank_for(ranks, "model.layers.0.self_attn.k_proj", PatternClock()) == 4
+    assert rank_for(ranks, "model.layers.0.self_attn.xq_proj", PatternClock()) == 4  # '.'-bound
+    assert rank_for(ranks, "model.layers.0.mlp.dd_proj", PatternClock()) == 2  # a group reference
