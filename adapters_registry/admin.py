@@ -159,7 +159,7 @@ class ManagedRegistry(AdapterRegistry):
                 return None
             # The engine's limit held on this replica; the catalog's counts every replica's
             # pins (two replicas pinning at once would each keep its own pin, forever).
-            others = [n for n in self.catalog.names() if n != name and self._is_pinned(n)]
+            others = [n for n in self.catalog.names() if n != name and self.catalog.is_pinned(n)]
             if pinned and len(others) >= self.tiers.max_pinned:
                 raise AdapterConflict(
                     f"cannot pin `{name}`: {', '.join(others)} already pinned in the catalog "
@@ -174,17 +174,12 @@ class ManagedRegistry(AdapterRegistry):
             await self._reconcile()  # also drops this replica's pin where the catalog refused
         return self.info(name)
 
-    def _is_pinned(self, name: str) -> bool:
-        entry = self.catalog.entry(name)
-        return entry is not None and entry.pinned
-
     async def evict(self, name: str, tier: EvictTier) -> AdapterInfo:
         """Drop the current version from `tier` and the tiers above it, on this replica.
 
         Pinned adapters refuse: the pin is the operator's word that it stays in a GPU slot."""
         record = self.resolve(check_name(name))
-        entry = self.catalog.entry(name)
-        if entry is not None and entry.pinned:
+        if self.catalog.is_pinned(name):
             raise AdapterConflict(f"`{name}` is pinned; unpin it before evicting", param="tier")
         if self.tiers.tier(record.engine_id) is not None and not await self.tiers.evict(
             record.engine_id, self.settings.delete_drain_s

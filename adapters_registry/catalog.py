@@ -112,6 +112,10 @@ class Catalog:
     def entry(self, name: str) -> NameEntry | None:
         return self._names.get(name)
 
+    def is_pinned(self, name: str) -> bool:
+        entry = self._names.get(name)
+        return entry is not None and entry.pinned
+
     def versions(self, name: str) -> dict[str, VersionRecord]:
         return self._versions.get(name, {})
 
