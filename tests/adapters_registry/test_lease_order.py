@@ -8,7 +8,6 @@ and LoRA control, as in the registry's other tests; this is a test of the order 
 from __future__ import annotations
 
 import asyncio
-import types
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from loraplex.server.protocol import CompletionRequest
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import TenancySettings
+from tests.support.fake_engine_outputs import Tokenizer, output
 
 pytestmark = pytest.mark.anyio
 STEP_S = 0.1  # between a fake request's outputs
@@ -45,21 +45,12 @@ class SlowGenerate:
         try:
             for i in range(3):
                 await asyncio.sleep(STEP_S)
-                out = types.SimpleNamespace(
-                    index=0, token_ids=[5], text="x", logprobs=None,
-                    finish_reason="length" if i == 2 else None,
-                )  # fmt: skip
-                yield types.SimpleNamespace(finished=i == 2, outputs=[out])
+                yield output(last=i == 2)
         finally:
             self.running -= 1
 
     async def abort(self, request_id: str) -> None:
         pass
-
-
-class Tokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [1, 2, 3]
 
 
 class Request:

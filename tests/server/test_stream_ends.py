@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.record import RequestRecord
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import TenancySettings
+from tests.support.fake_engine_outputs import Tokenizer, output
 
 pytestmark = pytest.mark.anyio
 
@@ -44,19 +44,10 @@ class Generate:
             await asyncio.sleep(0.01)
             if i == 1 and self.fail is not None:
                 raise self.fail
-            out = types.SimpleNamespace(
-                index=0, token_ids=[5], text="x", logprobs=None,
-                finish_reason="length" if i == 2 else None,
-            )  # fmt: skip
-            yield types.SimpleNamespace(finished=i == 2, outputs=[out])
+            yield output(last=i == 2)
 
     async def abort(self, request_id: str) -> None:
         pass
-
-
-class Tokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [1, 2, 3]
 
 
 class Client:
