@@ -100,10 +100,14 @@ def test_gemv_expand_is_refused_outside_the_split_variant_and_over_tiles() -> No
 
 
 def test_gemv_expand_is_a_candidate_of_the_naive_form_only() -> None:
-    """Offered at decode in the naive form after both shrinks, over 128 to 1,024 columns."""
+    """Offered at decode in the naive form after both shrinks, over 128 to 1,024 columns, and
+    after a tl.dot shrink of two stages over one or two K ranges."""
     naive = [c for c in candidates(2048, 32, 2, naive=True) if c.gemv_expand]
     assert {c.gemv_shrink for c in naive} == {False, True}
     assert {c.block_n for c in naive} == {128, 256, 512, 1024}
+    two_stages = {(c.split_k, c.block_n) for c in naive if c.num_stages == 2}
+    assert two_stages == {(s, n) for s in (1, 2) for n in (128, 256, 512, 1024)}
+    assert not any(c.gemv_shrink for c in naive if c.num_stages == 2)
     assert not any(c.gemv_expand for c in candidates(2048, 32, 2))
 
 
