@@ -9,7 +9,12 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
 
 - split: `moe_lora_shrink_kernel` (grid units x slices x SPLIT_K) writes fp32 partial products
   x @ A.T of one K range each to a workspace (no atomics, no zeroing: every cell read was
-  written; with FUSE_SLICES one program per unit does gate and up from one gather of x), then
+  written; with FUSE_SLICES one program per unit does gate and up from one gather of x). Relaxed
+  fp32 atomics into one cell need that cell zeroed first: on the H200 the best split with them
+  was 1.0-1.7 us slower than the best with partial cells at each of 10 decode points (4-64
+  tokens, both shapes and calls, GEMV shrink over 2, 4 and 8 K ranges), while the atomics
+  without the memset (wrong, a bound) were on par with the stores (throwaway probe,
+  2026-11-25). Then
   `moe_lora_expand_kernel` (one program per part of a unit's rows, slice and group of N tiles)
   sums the partials, multiplies by B and adds into the output. Many small programs keep
   enough loads in flight at decode sizes, where one program per pair would stream all of A
