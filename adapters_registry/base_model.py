@@ -55,7 +55,10 @@ def _moe_shape(config: dict[str, Any]) -> MoeShape | None:
     return MoeShape(int(experts), int(config["hidden_size"]), int(intermediate))
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
+def weight_files(model_dir: Path) -> list[Path]:
+    """The model's safetensors shards, from its index or its folder; FileNotFoundError if none
+    (adapters are validated against these files' headers, so other weight formats cannot serve).
+    """
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -73,7 +76,7 @@ def load_base_model_spec(model_dir: Path, name: str) -> BaseModelSpec:
     linear: dict[str, tuple[int, int]] = {}
     expert_groups: set[str] = set()
     fused_groups: set[str] = set()
-    for path in _weight_files(model_dir):
+    for path in weight_files(model_dir):
         for tensor in read_header(path).values():
             if ".layers." not in tensor.name:
                 continue  # embeddings and lm_head: vLLM serves LoRA on decoder linears

@@ -11,11 +11,13 @@ from loraplex.server.generation import Gateway
 
 
 def app_resource(request: Request, name: str) -> Any:
-    """A resource the app's lifespan put on `app.state`; 503 while the server is still starting."""
+    """A resource the app's lifespan put on `app.state`; 503 outside the lifespan (a request
+    that reaches the app while it shuts down, or one served without the lifespan run)."""
     resource = getattr(request.app.state, name, None)
     if resource is None:
         raise EngineUnavailable(
-            "The server is starting; retry shortly.", headers={"Retry-After": "5"}
+            "The server is not serving (it is shutting down or has not started); retry shortly.",
+            headers={"Retry-After": "5"},
         )
     return resource
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.adapters_registry.base_model import weight_files
 from loraplex.server.settings import ConfigError, Settings
 
 
@@ -31,5 +32,9 @@ def choose_served_model(settings: Settings) -> ServedModel:
         raise ConfigError(
             f"engine.model: {engine.model} is not a Hugging Face model directory (no config.json)"
         )
+    try:  # checked before the engine starts, which takes minutes on a GPU
+        weight_files(engine.model)
+    except FileNotFoundError as e:
+        raise ConfigError(f"engine.model: {e}") from None
     name = engine.served_model_name or engine.model.resolve().name
     return ServedModel(engine.model, name, settings.registry.local_dir)

@@ -63,7 +63,7 @@ class EngineSettings(BaseModel):
         description="CPU engines: a backlogged tenant's requests (tenancy.engine_priority above 0) "
         "prefill at most this many prompt tokens per step and sit out the steps that prefill "
         "another tenant's request, so those steps stay short (server/engine/paced_prefill.py). "
-        "None: vLLM's own scheduler.",
+        "None (`none` in an environment variable): vLLM's own scheduler.",
     )
     max_loras: int = Field(4, ge=1, description="Adapters in one batch (GPU slots).")
     max_cpu_loras: int = Field(8, ge=1, description="Adapters vLLM keeps in its CPU cache.")
@@ -100,6 +100,15 @@ class EngineSettings(BaseModel):
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."
     )
+
+    @field_validator("paced_prefill_tokens", mode="before")
+    @classmethod
+    def _none_from_environment(cls, value: Any) -> Any:
+        # An environment variable holds a string, and no string parses as None: without this,
+        # only the YAML file could turn pacing off.
+        if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+            return None
+        return value
 
     @field_validator("max_lora_rank")
     @classmethod

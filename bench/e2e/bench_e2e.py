@@ -1,7 +1,8 @@
 """End to end on the device: base model, stock vLLM with LoRA, vLLM with the loraplex plugin.
 
     PYTHONPATH=/tmp/site:. python3 bench/e2e/bench_e2e.py MODE --commit SHA --out DIR
-    MODE: base | stock | plugin | check
+    MODE: base | stock | plugin | check-stock | check-plugin | check-plugin-graphs
+          | check-stock-graphs | compare   (bench/e2e/run_device.sh check runs the four checks)
 
 base/stock/plugin: the workload of issue 6 on a Qwen3-30B-A3B-shaped model with dummy weights
 (48 layers, 128 experts top-8; `--layers` for fewer): 16 concurrent requests of 1600 prompt and

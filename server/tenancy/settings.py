@@ -2,7 +2,9 @@
 
 Tenants defined here are fixed for the life of the process; tenants created through
 `/admin/v1/tenants` live in the durable store beside the adapter catalog. Keys written in the
-config file are hashed when the settings are loaded and the plain text is never kept.
+config file are `SecretStr`s (masked in reprs, logs and config errors); the tenant directory
+matches requests against their hashes, while the loaded settings keep the plain keys in memory
+for the life of the process, as the file keeps them on disk.
 """
 
 from __future__ import annotations

@@ -107,6 +107,16 @@ def test_a_lora_rank_from_an_environment_variable_is_read_as_a_number(
     assert load_settings().engine.max_lora_rank == 32
 
 
+@pytest.mark.parametrize("off", ["none", "None", "null"])
+def test_paced_prefill_turns_off_from_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, off: str
+) -> None:
+    monkeypatch.setenv("LORAPLEX_ENGINE__PACED_PREFILL_TOKENS", off)
+    assert load_settings().engine.paced_prefill_tokens is None
+    monkeypatch.setenv("LORAPLEX_ENGINE__PACED_PREFILL_TOKENS", "32")
+    assert load_settings().engine.paced_prefill_tokens == 32
+
+
 def test_environment_variable_with_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_HTTP__PORT", "70000")
     with pytest.raises(ConfigError) as e:
