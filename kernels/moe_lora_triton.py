@@ -23,8 +23,14 @@ Two shapes of work, chosen per shape and batch by the tuned configs:
   of the kernel before it (it waits for that kernel before reading anything), and the expand
   grid starts while the shrink runs, loads its B tile and output tile, and waits for the
   shrink only before it reads the partials (so the expand takes PDL only on the shrink's
-  stream: `moe_lora_op.SplitExpand.pdl_here`). In the naive form a config may take the
-  GEMV shrink or expand of `moe_lora_gemv_triton` instead, on the same workspace cells.
+  stream: `moe_lora_op.SplitExpand.pdl_here`). Having the shrink ask L2 for B as well (each
+  program its share of its pair's B, by Hopper's bulk L2 prefetch or by line prefetches with
+  evict_last, A's loads evict_first or not), so that DRAM would stream A and B at once and the
+  expand read B from L2, was slower at all 20 decode points of the kernel bench on the H200,
+  by 1-29% for the best of the three (Qwen3 down at 64 tokens 32.9 against 25.6 us, GPT-OSS
+  gate/up at 16 18.9 against 16.0; outputs equal; throwaway probe, 2026-11-27). In the naive
+  form a config may take the GEMV shrink or expand of `moe_lora_gemv_triton` instead, on the
+  same workspace cells.
 - fused: `moe_lora_fused_kernel` (grid units x NPID x slices) keeps the rank-sized intermediate
   on chip and walks its share of N; with FUSE_SLICES one program does gate and up from one
   gather of x rows (at prefill the gathered x rows are a third of the traffic).
