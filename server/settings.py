@@ -36,6 +36,41 @@ def default_cache_dir() -> Path:
 # value passed validation here and failed the engine's start.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+# vLLM arguments loraplex decides itself (the machinery it builds around them would break if
+# they changed underneath), each with what to set instead. engine.vllm_args refuses them.
+OWNED_VLLM_ARGS: dict[str, str] = {
+    "model": "engine.model",
+    "model_tag": "engine.model",
+    "revision": "engine.model as org/name@revision",
+    "served_model_name": "engine.served_model_name",
+    "enable_lora": "nothing: loraplex always enables LoRA",
+    "max_loras": "engine.max_loras",
+    "max_cpu_loras": "engine.max_cpu_loras",
+    "max_lora_rank": "engine.max_lora_rank",
+    "lora_modules": "the adapter registry (registry.local_dir or `loraplex adapters register`)",
+    "scheduling_policy": "tenancy.engine_priority (waiting requests go in tenant priority order)",
+    "scheduler_cls": "engine.paced_prefill_tokens",
+    "long_prefill_token_threshold": "engine.paced_prefill_tokens",
+    "disable_log_stats": "nothing: loraplex serves vLLM's metrics on /metrics",
+    "host": "http.host",
+    "port": "http.port",
+    "api_key": "tenancy.tenants[].api_keys",
+    "uvicorn_log_level": "http.log_level",
+}
+
+# loraplex settings that are vLLM arguments under the same name, passed on as they are: either
+# place may set them (engine.vllm_args folds them into the setting, so one value is checked and
+# used), but not both with different values.
+MIRRORED_VLLM_ARGS = frozenset(
+    {"max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
+     "enforce_eager", "specialize_active_lora", "load_format", "seed"}
+)  # fmt: skip
+
+
+def vllm_arg_name(key: str) -> str:
+    """`--kv-cache-dtype` or `kv-cache-dtype`, as `vllm serve` users write them: kv_cache_dtype."""
+    return key.strip().lstrip("-").replace("-", "_")
+
 
 class EngineSettings(BaseModel):
     """How vLLM's AsyncLLM is built. Field names follow vLLM's engine arguments where they exist."""
@@ -100,6 +135,44 @@ class EngineSettings(BaseModel):
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."
     )
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other argument of vLLM's engine or OpenAI serving layer, by its "
+        "`vllm serve` name (kv_cache_dtype or kv-cache-dtype): tensor_parallel_size, "
+        "quantization, enable_prefix_caching, speculative_config, ... Checked at start against "
+        "vLLM's own argument parser; arguments loraplex decides itself are refused, naming "
+        "the setting to use (OWNED_VLLM_ARGS).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_vllm_args(cls, data: Any) -> Any:
+        """Normalise vllm_args' keys, refuse the ones loraplex owns, and move the ones that are
+        also loraplex settings (MIRRORED_VLLM_ARGS) into those settings."""
+        if not isinstance(data, dict) or not isinstance(data.get("vllm_args"), dict):
+            return data
+        data = dict(data)
+        args: dict[str, Any] = {}
+        for key, value in data["vllm_args"].items():
+            name = vllm_arg_name(str(key))
+            if name in OWNED_VLLM_ARGS:
+                raise ValueError(
+                    f"engine.vllm_args.{name}: loraplex sets this vLLM argument itself; "
+                    f"use {OWNED_VLLM_ARGS[name]}"
+                )
+            if name in args:
+                raise ValueError(f"engine.vllm_args.{name} is given twice ({key!r})")
+            args[name] = value
+        for name in MIRRORED_VLLM_ARGS & args.keys():
+            value = args.pop(name)
+            if name in data and data[name] != value:
+                raise ValueError(
+                    f"engine.{name} ({data[name]!r}) and engine.vllm_args.{name} ({value!r}) "
+                    "disagree: set one of them"
+                )
+            data[name] = value
+        data["vllm_args"] = args
+        return data
 
     @field_validator("paced_prefill_tokens", mode="before")
     @classmethod

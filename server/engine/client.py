@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.adapters_registry.base import ServableAdapter
-from loraplex.server.engine.builder import engine_kwargs, export_engine_environment
+from loraplex.server.engine.builder import engine_args, export_engine_environment, vllm_namespace
 from loraplex.server.errors import EngineUnavailable, InvalidRequest
 from loraplex.server.settings import EngineSettings
 
@@ -61,11 +61,10 @@ class EngineClient:
     async def start(
         cls, settings: EngineSettings, model_dir: Path, served_name: str
     ) -> EngineClient:
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         export_engine_environment(settings)
-        args = AsyncEngineArgs(**engine_kwargs(settings, model_dir, served_name))
+        args = engine_args(settings, vllm_namespace(settings, model_dir, served_name))
         engine = AsyncLLM.from_engine_args(args)
         tokenizer = engine.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # vLLM < 0.30 made this a coroutine
@@ -74,6 +73,11 @@ class EngineClient:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+    @property
+    def vllm_config(self) -> Any:
+        """The engine's whole configuration as vLLM resolved it."""
+        return self._engine.vllm_config
 
     # --- health --------------------------------------------------------------------------
     @property

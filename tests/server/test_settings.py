@@ -201,3 +201,116 @@ def test_graphs_per_adapter_count_need_the_vllm_the_plugin_patches() -> None:
     check_specialized_graphs(on, "0.26.0", cpu=False)
     check_specialized_graphs(on, "0.32.0", cpu=True)  # CPU engines do not use that metadata
     check_specialized_graphs(EngineSettings(), "0.27.1", cpu=False)
+
+
+@pytest.mark.parametrize(
+    ("key", "instead"),
+    [("max_loras", "engine.max_loras"), ("enable-lora", "loraplex always enables LoRA"),
+     ("--max-cpu-loras", "engine.max_cpu_loras"), ("max_lora_rank", "engine.max_lora_rank"),
+     ("scheduling_policy", "tenancy.engine_priority"),
+     ("scheduler_cls", "engine.paced_prefill_tokens"), ("port", "http.port")],
+)  # fmt: skip
+def test_vllm_args_loraplex_owns_are_refused_naming_the_setting_to_use(
+    key: str, instead: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(engine={"vllm_args": {key: 1}})
+    name = key.lstrip("-").replace("-", "_")
+    assert f"engine.vllm_args.{name}: loraplex sets this vLLM argument itself" in str(e.value)
+    assert instead in str(e.value)
+
+
+def test_vllm_args_that_are_loraplex_settings_fold_into_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORAPLEX_ENGINE__VLLM_ARGS", '{"max-num-seqs": 8, "kv_cache_dtype": "fp8"}')
+    engine = load_settings().engine
+    assert engine.max_num_seqs == 8 and engine.vllm_args == {"kv_cache_dtype": "fp8"}
+    with pytest.raises(ConfigError) as e:
+        load_settings(engine={"max_num_seqs": 4})
+    assert "engine.max_num_seqs (4) and engine.vllm_args.max_num_seqs (8) disagree" in str(e.value)
+    # The folded value meets the setting's own checks.
+    monkeypatch.setenv("LORAPLEX_ENGINE__VLLM_ARGS", '{"max_num_seqs": 0}')
+    with pytest.raises(ConfigError, match=r"engine\.max_num_seqs: Input should be greater than"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("vllm_args", "said"),
+    [({"kv_cache_dtype": "fp9"},
+      "engine.vllm_args.kv_cache_dtype: vLLM {v} says: argument --kv-cache-dtype: invalid choice: "
+      "'fp9' (choose from 'auto'"),
+     ({"tensor_parallel_size": "two"},
+      "engine.vllm_args.tensor_parallel_size: vLLM {v} says: argument --tensor-parallel-size"),
+     ({"enable_prefix_cachng": True},
+      "engine.vllm_args.enable_prefix_cachng: not an argument of vLLM {v}'s engine or OpenAI "
+      "serving layer (did you mean enable_prefix_caching?)"),
+     ({"enable_prefix_caching": "maybe"},
+      "engine.vllm_args.enable_prefix_caching: expects true or false (got 'maybe')"),
+     ({"root_path": "/v"},
+      "engine.vllm_args.root_path: an argument of `vllm serve`'s HTTP server; loraplex serves "
+      "HTTP itself")],
+    ids=["bad-choice", "bad-int", "misspelt", "bad-switch", "http-server"],
+)  # fmt: skip
+def test_vllm_args_are_checked_by_vllms_own_parser(vllm_args: dict, said: str) -> None:
+    import vllm
+
+    from loraplex.server.engine.builder import parse_vllm_args
+
+    with pytest.raises(ConfigError) as e:
+        parse_vllm_args(load_settings(engine={"vllm_args": vllm_args}).engine)
+    assert said.format(v=vllm.__version__) in str(e.value)
+
+
+def test_vllm_args_reach_vllms_engine_arguments_beside_loraplexs_own(tmp_path: Path) -> None:
+    from loraplex.kernels.plugin import COMPILE_CACHE_KEY
+    from loraplex.server.engine.builder import engine_args, vllm_namespace
+
+    args = {"enable_prefix_caching": True, "kv-cache-dtype": "fp8", "tensor_parallel_size": 2,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            "additional_config": {"mine": 1}, "tool_call_parser": "hermes"}  # fmt: skip
+    settings = load_settings(engine={"vllm_args": args}).engine
+    namespace = vllm_namespace(settings, tmp_path, "served")
+    built = engine_args(settings, namespace)
+    assert built.enable_prefix_caching is True and built.kv_cache_dtype == "fp8"
+    assert built.tensor_parallel_size == 2 and built.speculative_config["method"] == "ngram"
+    assert built.enable_lora is True and built.max_loras == settings.max_loras
+    assert built.model == str(tmp_path) and built.served_model_name == ["served"]
+    assert built.additional_config == {"mine": 1, COMPILE_CACHE_KEY: "on"}
+    assert namespace.tool_call_parser == "hermes"  # a serving-layer argument, for vLLM's server
+
+
+def test_vllm_serves_own_cross_argument_checks_run_at_start(tmp_path: Path) -> None:
+    from loraplex.server.engine.builder import vllm_namespace
+
+    settings = load_settings(engine={"vllm_args": {"chat_template": str(tmp_path / "none")}}).engine
+    with pytest.raises(ConfigError, match=r"engine\.vllm_args: "):
+        vllm_namespace(settings, tmp_path, "served")
+
+
+def test_serve_refuses_a_bad_vllm_arg_before_the_engine_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loraplex.server.cli import main
+
+    assert main(["serve", "--vllm-arg", "kv_cache_dtype=fp9"]) == 2
+    assert "engine.vllm_args.kv_cache_dtype: vLLM" in capsys.readouterr().err
+    assert main(["serve", "--vllm-arg", "max_loras=8"]) == 2
+    assert "use engine.max_loras" in capsys.readouterr().err
+    assert main(["serve", "--vllm-arg", "enable_prefix_caching"]) == 2
+    assert "--vllm-arg 'enable_prefix_caching': expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_the_plugin_says_which_setting_hands_layers_back_to_vllms_kernels() -> None:
+    from loraplex.server.engine.builder import kernel_handbacks
+
+    settings = load_settings(
+        engine={"max_lora_rank": 256, "vllm_args": {"fully_sharded_loras": True,
+                                                    "enable_expert_parallel": "true"}}
+    ).engine  # fmt: skip
+    said = "\n".join(kernel_handbacks(settings))
+    assert "engine.vllm_args.fully_sharded_loras" in said and "collective" in said
+    assert "engine.vllm_args.enable_expert_parallel" in said
+    assert "engine.max_lora_rank (256): ranks over 128" in said
+    off = load_settings(engine={"moe_lora_kernels": False, "max_lora_rank": 256}).engine
+    assert kernel_handbacks(off) == []
