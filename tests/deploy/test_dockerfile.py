@@ -1,4 +1,6 @@
-"""The GPU image's Dockerfile is hadolint-clean and built on the vLLM release loraplex supports."""
+"""The images' Dockerfiles (the GPU one at the root, the CPU demo's in deploy/compose) are
+hadolint-clean and run `loraplex serve` as a non-root user; the GPU image is built on the vLLM
+release loraplex supports."""
 
 from __future__ import annotations
 
@@ -8,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loraplex.kernels.plugin import SUPPORTED_VLLM
 
 REPO = Path(__file__).resolve().parents[2]
+DOCKERFILES = (REPO / "Dockerfile", REPO / "deploy" / "compose" / "cpu.Dockerfile")
 
 
 def _hadolint() -> str:
@@ -20,15 +25,17 @@ def _hadolint() -> str:
     return found
 
 
-def test_dockerfile_is_hadolint_clean() -> None:
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_is_hadolint_clean(dockerfile: Path) -> None:
     result = subprocess.run(
-        [_hadolint(), str(REPO / "Dockerfile")], capture_output=True, text=True, check=False
+        [_hadolint(), str(dockerfile)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dockerfile_runs_as_non_root_with_a_healthcheck_on_health() -> None:
-    text = (REPO / "Dockerfile").read_text()
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_runs_as_non_root_with_a_healthcheck_on_health(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
     user = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert user and user[-1] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
