@@ -357,11 +357,12 @@ def test_containers_run_unprivileged_on_a_read_only_root(overlay: str, tmp_path:
     container = server_container(objects)
     pod = server_deployment(objects)["spec"]["template"]["spec"]
     assert str(pod["securityContext"]["runAsUser"]) == dockerfile_user(image_dockerfile(container))
-    # Where the server writes: cache_dir, HOME (caches of vLLM, torch, Triton, Hugging Face),
-    # vLLM's compile cache and /tmp, each on a writable volume.
+    # Where the server writes: cache_dir, HOME (caches of vLLM, torch, Triton), the Hugging Face
+    # cache, vLLM's compile cache and /tmp, each on a writable volume.
     settings, env, _ = overlay_settings(overlay, tmp_path)
     writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
-    for path in (str(settings.cache_dir), env["HOME"], env["VLLM_CACHE_ROOT"], "/tmp"):
+    paths = (settings.cache_dir, env["HOME"], env["HF_HOME"], env["VLLM_CACHE_ROOT"], "/tmp")
+    for path in map(str, paths):
         assert any(path == w or path.startswith(w + "/") for w in writable), path
 
 
