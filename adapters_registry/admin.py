@@ -1,4 +1,5 @@
-"""Admin operations over the registry: register, list, get, pin, unpin, evict, delete, rollback.
+"""Admin operations over the registry: register, list, get, pin, unpin, evict, delete, rollback,
+quarantine and unquarantine.
 
 Each operation that changes what a name means appends one event to the shared catalog log, so
 every replica converges on it; tier moves (warm, pin, evict) act on this replica's engine and disk.
@@ -50,6 +51,8 @@ class AdapterInfo:
     last_used: float | None
     in_flight: int
     previous_versions: list[str]
+    health: str  # VersionHealth's value: "healthy" | "quarantined"
+    quarantine_reason: str | None
 
 
 class ManagedRegistry(AdapterRegistry):
@@ -57,9 +60,10 @@ class ManagedRegistry(AdapterRegistry):
 
     def info(self, name: str) -> AdapterInfo:
         check_name(name)
-        record = self.resolve(name)
+        record = self.lookup(name)
         entry = self.catalog.entry(name)
-        assert entry is not None  # resolve() raised otherwise
+        assert entry is not None  # lookup() raised otherwise
+        quarantine = self.quarantines.of(record)
         return AdapterInfo(
             name=name,
             version=record.version,
@@ -74,6 +78,8 @@ class ManagedRegistry(AdapterRegistry):
             last_used=self.tiers.last_used(record.engine_id),
             in_flight=self.tiers.leases(record.engine_id),
             previous_versions=list(entry.history),
+            health=self.quarantines.health(record).value,
+            quarantine_reason=quarantine.reason if quarantine else None,
         )
 
     def list(self) -> list[AdapterInfo]:
@@ -127,7 +133,7 @@ class ManagedRegistry(AdapterRegistry):
 
         await self._append(plan)
         if warm and not pinned:
-            await self.warm(self.resolve(name))
+            await self.warm(self.lookup(name))
         await self._reconcile()
         if pinned:
             try:
@@ -143,13 +149,14 @@ class ManagedRegistry(AdapterRegistry):
         """Engine ids pinned on this replica other than `name`'s current version's, whose pin
         a new version takes over."""
         try:
-            own = {self.resolve(name).engine_id}
+            own = {self.lookup(name).engine_id}
         except AdapterNotFound:
             own = set()
         return self.tiers.pinned_ids() - own
 
     async def set_pinned(self, name: str, pinned: bool) -> AdapterInfo:
-        record = self.resolve(check_name(name))
+        """Pin (or unpin) `name` on every replica. Pinning a quarantined version is a 422."""
+        record = self.lookup(check_name(name))
         if pinned and record.engine_id not in self.tiers.pinned_ids():
             await self._pin_record(record)  # fails here, before the catalog says "pinned"
 
@@ -178,7 +185,7 @@ class ManagedRegistry(AdapterRegistry):
         """Drop the current version from `tier` and the tiers above it, on this replica.
 
         Pinned adapters refuse: the pin is the operator's word that it stays in a GPU slot."""
-        record = self.resolve(check_name(name))
+        record = self.lookup(check_name(name))
         if self.catalog.is_pinned(name):
             raise AdapterConflict(f"`{name}` is pinned; unpin it before evicting", param="tier")
         if self.tiers.tier(record.engine_id) is not None and not await self.tiers.evict(
@@ -193,20 +200,29 @@ class ManagedRegistry(AdapterRegistry):
         return self.info(name)
 
     async def rollback(self, name: str, version: str | None = None) -> AdapterInfo:
-        """Point `name` back at its previous version (or at `version`, one it had before)."""
+        """Point `name` back at its previous version (or at `version`, one it had before).
+        A quarantined target is a 409: unquarantine it first."""
         check_name(name)
-        target = self.resolve(f"{name}@{version}").version if version else None
+        target = self.lookup(f"{name}@{version}").version if version else None
 
         def plan() -> dict[str, Any] | None:
             entry = self.catalog.entry(name)
             if entry is None:
-                self.resolve(name)  # raises AdapterNotFound
+                self.lookup(name)  # raises AdapterNotFound
                 return None
             to = target or (entry.history[-1] if entry.history else None)
             if to is None:
                 raise AdapterConflict(f"`{name}` has no earlier version to roll back to")
-            if to not in self.catalog.versions(name):  # deleted on another replica meanwhile
+            record = self.catalog.versions(name).get(to)
+            if record is None:  # deleted on another replica meanwhile
                 raise AdapterNotFound(f"The model `{name}@{to}` does not exist.", param="version")
+            quarantine = self.quarantines.of(record)
+            if quarantine is not None:
+                raise AdapterConflict(
+                    f"cannot roll `{name}` back to version {to}: it is quarantined "
+                    f"({quarantine.reason}); unquarantine it first",
+                    param="version",
+                )
             if to == entry.version:
                 return None
             return Catalog.event("move", name, version=to, rollback=True)
@@ -215,9 +231,31 @@ class ManagedRegistry(AdapterRegistry):
         await self._reconcile()
         return self.info(name)
 
+    async def set_quarantined(
+        self, name: str, quarantined: bool, *, version: str | None = None, reason: str = ""
+    ) -> AdapterInfo:
+        """Quarantine (`AdapterSource.quarantine`) or clear the quarantine of `name`'s current
+        version, or of `version`, on every replica. Idempotent. A cleared version serves again
+        (and takes its name's pin back) at once here, on other replicas at their next poll."""
+        check_name(name)
+        record = self.lookup(f"{name}@{version}" if version else name)
+        if quarantined:
+            await self.quarantine(name, record.version, reason)
+            return self.info(name)
+        self.quarantines.forget(name, record.version)  # not to be written at the next poll
+
+        def plan() -> dict[str, Any] | None:
+            if self.catalog.quarantine_of(name, record.version) is None:
+                return None
+            return Catalog.event("unquarantine", name, version=record.version)
+
+        await self._append(plan)
+        await self._reconcile()
+        return self.info(name)
+
     async def delete(self, name: str) -> None:
         """Unregister `name` on every replica; its engine copies go once in-flight requests end."""
-        record = self.resolve(check_name(name))
+        record = self.lookup(check_name(name))
         versions = list(self.catalog.versions(name).values())
 
         def plan() -> dict[str, Any] | None:

@@ -52,6 +52,16 @@ class AdapterInvalid(AdapterError):
         """A short fixed label (metrics): e.g. `rank`, `tensor_shape`, `pickle`, `name`."""
 
 
+class AdapterQuarantined(AdapterError):
+    """The version a request names is quarantined: it made the engine produce non-finite values
+    (or an admin took it out of service). A client error that retrying will not fix: it holds
+    until an admin registers a new version, rolls the name back or clears the quarantine. 422,
+    not 409, because clients (OpenAI's SDKs among them) retry a 409 as a transient conflict."""
+
+    http_status = 422
+    code = "adapter_quarantined"
+
+
 class AdapterConflict(AdapterError):
     """The operation contradicts the catalog's state (e.g. rollback with no earlier version)."""
 
@@ -77,7 +87,8 @@ class AdapterSource(Protocol):
         """Make `name` servable and hold it for the duration of one request.
 
         Raises AdapterNotFound if there is no such adapter, AdapterUnavailable if it cannot be
-        fetched or loaded. While a lease is held, the version it returned is not deleted.
+        fetched or loaded, AdapterQuarantined if it is quarantined. While a lease is held, the
+        version it returned is not deleted and stays in the engine, quarantined or not.
         """
         ...
 
@@ -86,10 +97,25 @@ class AdapterSource(Protocol):
         ...
 
     def resolve(self, name: str) -> object:
-        """Raises AdapterNotFound if `name` names no adapter (no side effects; cheap)."""
+        """Raises AdapterNotFound if `name` names no adapter, AdapterQuarantined if the version
+        it names is quarantined (no side effects; cheap)."""
         ...
 
     async def prefetch(self, name: str) -> None:
         """Make `name`'s files local without holding any engine resource, so that a later
         `lease` only loads them. Raises AdapterNotFound, AdapterUnavailable."""
+        ...
+
+    async def quarantine(self, name: str, version: str, reason: str) -> None:
+        """Take version `version` of adapter `name` out of service on every replica, because of
+        `reason` (one line; longer text is cut to 200 characters): from the call on, requests
+        naming it get AdapterQuarantined (422 `adapter_quarantined`) and it takes no new lease;
+        it leaves the engine (GPU slot, CPU cache) once the leases held on it end, so the
+        caller may hold one. Counted in `loraplex_adapter_quarantines_total`, logged once.
+
+        Idempotent (a version already quarantined: nothing happens) and never raises: an
+        unknown or deleted version is logged and ignored; a catalog write that fails holds on
+        this replica and is retried at each poll until the catalog has it. It lasts until an
+        admin clears it (POST /admin/v1/adapters/{name}/unquarantine), registers new bytes
+        under the name or rolls it back to another version."""
         ...

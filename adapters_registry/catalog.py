@@ -12,6 +12,10 @@ the whole log.
 Engine ids are allocated by the log (one more than the largest ever given), so an id names exactly
 one version's bytes for the life of the store, across restarts and replicas.
 
+A version's health is in the log too: a `quarantine` event takes one version out of service on
+every replica (its bytes made the engine produce non-finite values, say), `unquarantine` puts it
+back. Registering new bytes under the name moves the name to a new, healthy version.
+
 This class holds state only; it does no I/O except through the `fetch_*`/`write_*` methods, which
 block and are run in threads. `apply` mutates and must be called on one task at a time.
 """
@@ -23,6 +27,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
@@ -85,6 +90,21 @@ class VersionRecord:
         return cls(**{**d, "files": files})
 
 
+class VersionHealth(Enum):
+    """Whether a version may serve requests (the catalog's word, the same on every replica)."""
+
+    HEALTHY = "healthy"
+    QUARANTINED = "quarantined"  # refused to requests until unquarantined; kept for rollback
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """Why and when a version was taken out of service."""
+
+    reason: str
+    at: float
+
+
 @dataclass
 class NameEntry:
     """Where a name points now, and the versions it pointed to before (oldest first)."""
@@ -102,6 +122,7 @@ class Catalog:
         self.last_seq = 0
         self._versions: dict[str, dict[str, VersionRecord]] = {}
         self._names: dict[str, NameEntry] = {}
+        self._quarantined: dict[str, dict[str, Quarantine]] = {}  # name -> version -> why
         self._max_engine_id = 0
 
     # ---- reads (event loop, no I/O) ----
@@ -118,6 +139,21 @@ class Catalog:
 
     def versions(self, name: str) -> dict[str, VersionRecord]:
         return self._versions.get(name, {})
+
+    def health(self, name: str, version: str) -> VersionHealth:
+        if version in self._quarantined.get(name, {}):
+            return VersionHealth.QUARANTINED
+        return VersionHealth.HEALTHY
+
+    def quarantine_of(self, name: str, version: str) -> Quarantine | None:
+        return self._quarantined.get(name, {}).get(version)
+
+    def quarantined_engine_ids(self) -> set[int]:
+        return {
+            self._versions[name][version].engine_id
+            for name, versions in self._quarantined.items()
+            for version in versions
+        }
 
     def next_engine_id(self) -> int:
         return self._max_engine_id + 1
@@ -169,11 +205,21 @@ class Catalog:
         elif op == "pin":
             if name in self._names:
                 self._names[name].pinned = bool(event["pinned"])
+        elif op == "quarantine":
+            if event["version"] in self._versions.get(name, {}):
+                why = Quarantine(str(event["reason"]), at)
+                self._quarantined.setdefault(name, {}).setdefault(event["version"], why)
+        elif op == "unquarantine":
+            versions = self._quarantined.get(name, {})
+            versions.pop(event["version"], None)
+            if not versions:
+                self._quarantined.pop(name, None)
         elif op == "delete":
             # Its versions go too: a later registration of the name starts a fresh history and
             # gets fresh engine ids (`_max_engine_id` remembers every id ever given).
             self._names.pop(name, None)
             self._versions.pop(name, None)
+            self._quarantined.pop(name, None)
         self.last_seq = seq
 
     def _move(self, name: str, version: str, at: float, rollback: bool = False) -> None:
@@ -211,6 +257,11 @@ class Catalog:
             self._versions.setdefault(record.name, {})[record.version] = record
             self._max_engine_id = max(self._max_engine_id, record.engine_id)
         self._names = {n["name"]: NameEntry(**n) for n in snap["names"]}
+        for q in snap.get("quarantined", []):  # absent from snapshots older than quarantines
+            if q["version"] in self._versions.get(q["name"], {}):
+                self._quarantined.setdefault(q["name"], {})[q["version"]] = Quarantine(
+                    q["reason"], q["at"]
+                )
         self._max_engine_id = max(self._max_engine_id, int(snap["max_engine_id"]))
         self.last_seq = int(snap["seq"])
         self._drop_dangling_versions()
@@ -232,6 +283,7 @@ class Catalog:
                             "other: dropped", name, entry.version)  # fmt: skip
                 del self._names[name]
                 self._versions.pop(name, None)
+                self._quarantined.pop(name, None)
 
     def fetch_events(self) -> list[tuple[int, dict[str, Any]]]:
         """Events after `last_seq` in order, stopping at the first gap (a write not yet seen)."""
@@ -282,6 +334,11 @@ class Catalog:
             "max_engine_id": self._max_engine_id,
             "versions": [asdict(r) for vs in self._versions.values() for r in vs.values()],
             "names": [asdict(e) for e in self._names.values()],
+            "quarantined": [
+                {"name": name, "version": version, **asdict(q)}
+                for name, versions in self._quarantined.items()
+                for version, q in versions.items()
+            ],
         }
 
     def write_snapshot(self, snap: dict[str, Any]) -> None:

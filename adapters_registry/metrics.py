@@ -61,6 +61,15 @@ class RegistryMetrics:
         self.registered = Gauge(
             "loraplex_adapters_registered", "Adapter names in the catalog.", registry=registry
         )
+        self.quarantines = Counter(
+            "loraplex_adapter_quarantines_total",
+            "Adapter versions this replica quarantined (non-finite outputs, or an admin's word).",
+            registry=registry,
+        )  # fmt: skip
+        self.quarantined = Gauge(
+            "loraplex_adapters_quarantined", "Adapter versions quarantined in the catalog.",
+            registry=registry,
+        )  # fmt: skip
         for tier in TIERS:
             for metric in (self.loads, self.load_failures, self.hits, self.misses, self.evictions):
                 metric.labels(tier)

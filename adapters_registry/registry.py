@@ -5,13 +5,14 @@ holds it until the request ends. Warm adapters cost two dict lookups; a cold one
 however many requests ask at the same moment (single flight), with the download in a worker
 thread, so other streams wait at most for the engine's disk-to-memory load.
 
-Catalog writes (register, rollback, pin, delete) append to the shared log; a poll loop applies
-what other replicas appended and reconciles the engine tiers with the result.
+Catalog writes (register, rollback, pin, delete, quarantine) append to the shared log; a poll
+loop applies what other replicas appended and reconciles the engine tiers with the result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -31,6 +32,7 @@ from loraplex.adapters_registry.catalog import SNAPSHOT_EVERY, Catalog, VersionR
 from loraplex.adapters_registry.disk_cache import CacheError, DiskCache, HashMismatch
 from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.names import parse_ref
+from loraplex.adapters_registry.quarantine import Quarantines, one_line
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.single_flight import SingleFlight
 from loraplex.adapters_registry.store import (
@@ -51,10 +53,11 @@ UNPIN_SETTLE_S = 5.0
 
 @contextmanager
 def _unavailable_on_failure(record: VersionRecord, doing: str) -> Iterator[None]:
-    """Any failure in the block as AdapterUnavailable (a 503 naming the adapter)."""
+    """Any failure in the block but the registry's own as AdapterUnavailable (a 503 naming the
+    adapter)."""
     try:
         yield
-    except AdapterUnavailable:
+    except AdapterError:
         raise
     except Exception as e:
         raise AdapterUnavailable(
@@ -89,6 +92,8 @@ class AdapterRegistry:
         # whose request left before its load stays until its next load: one entry at most.
         self._fetched_ahead: set[str] = set()
         self._unpins: dict[int, asyncio.Task[None]] = {}  # engine id -> unpin under way
+        self._retires: dict[int, asyncio.Task[None]] = {}  # engine id -> removal under way
+        self.quarantines = Quarantines(self.catalog, metrics)
         self._sync_lock = asyncio.Lock()
 
     # ---- AdapterSource ----
@@ -97,7 +102,14 @@ class AdapterRegistry:
         return self.catalog.names()
 
     def resolve(self, model: str) -> VersionRecord:
-        """The version `model` (`name` or `name@version`) names; AdapterNotFound otherwise."""
+        """The version `model` (`name` or `name@version`) names, if it may serve: raises
+        AdapterNotFound, AdapterQuarantined."""
+        record = self.lookup(model)
+        self.quarantines.check(record, model)
+        return record
+
+    def lookup(self, model: str) -> VersionRecord:
+        """The version `model` names, quarantined or not (admin); AdapterNotFound otherwise."""
         try:
             ref = parse_ref(model)
         except AdapterInvalid as e:
@@ -123,7 +135,7 @@ class AdapterRegistry:
             self.metrics.hits.labels("cpu").inc()
         else:
             self.metrics.misses.labels("cpu").inc()
-            await self._hold_cold(record)
+            await self._hold_cold(record, name)
         try:
             yield self._servable(record)
         finally:
@@ -138,10 +150,14 @@ class AdapterRegistry:
             rank=record.rank,
         )
 
-    async def _hold_cold(self, record: VersionRecord) -> None:
+    async def _hold_cold(self, record: VersionRecord, model: str) -> None:
         # A load can finish and be evicted again before this task resumes when more adapters
-        # than CPU slots are wanted at once; loop until the hold sticks.
-        while not self.tiers.try_hold(record.engine_id):
+        # than CPU slots are wanted at once; loop until the hold sticks. The version may be
+        # quarantined while it loads: checked right before each hold, with no await between.
+        while True:
+            self.quarantines.check(record, model)
+            if self.tiers.try_hold(record.engine_id):
+                return
             await self._loads.do(record.engine_id, lambda: self._make_resident(record))
 
     async def _make_resident(self, record: VersionRecord) -> None:
@@ -154,6 +170,7 @@ class AdapterRegistry:
                 self.metrics.misses.labels("disk").inc()
             else:
                 self.metrics.hits.labels("disk").inc()
+            self.quarantines.check(record, record.name)  # quarantined during the download
             await self.tiers.load(self._servable(record), record.size_bytes)
 
     async def _on_disk(self, record: VersionRecord) -> bool:
@@ -193,6 +210,7 @@ class AdapterRegistry:
         with the catalog and with the engine's own list of loaded adapters."""
         async with self._sync_lock:
             await self._refresh_locked()
+        await self._record_quarantines()
         extra, lost = await self.tiers.reconcile()
         if extra or lost:
             log.warning("engine tiers disagreed: removed unknown ids %s, forgot lost ids %s",
@@ -206,7 +224,11 @@ class AdapterRegistry:
                 self.catalog.load_snapshot(snap)
         for seq, event in await asyncio.to_thread(self.catalog.fetch_events):
             self.catalog.apply(seq, event)
+        self._publish_counts()
+
+    def _publish_counts(self) -> None:
         self.metrics.registered.set(len(self.catalog.names()))
+        self.metrics.quarantined.set(len(self.catalog.quarantined_engine_ids()))
 
     async def _append(self, plan: Callable[[], dict[str, Any] | None]) -> None:
         """Append the event `plan()` builds from the fresh state; retry when a replica wins."""
@@ -225,7 +247,7 @@ class AdapterRegistry:
                         f"catalog write to {self.store.uri} failed: {e}"
                     ) from e
                 self.catalog.apply(seq, event)
-                self.metrics.registered.set(len(self.catalog.names()))
+                self._publish_counts()
                 if seq % SNAPSHOT_EVERY == 0:
                     await self._write_snapshot()
                 return
@@ -241,17 +263,22 @@ class AdapterRegistry:
                           "next one", self.catalog.last_seq)  # fmt: skip
 
     async def _reconcile(self) -> None:
-        """Drop engine copies of versions no name reaches any more; apply replicas' pins."""
+        """Drop engine copies of versions no name reaches any more and of quarantined ones;
+        apply replicas' pins (a quarantined version's pin waits for the quarantine to clear)."""
         live = self.catalog.live_engine_ids()
         for engine_id in self.tiers.loaded_ids() - live:
             if self.tiers.leases(engine_id) == 0:
                 await self.tiers.evict(engine_id, drain_s=0)
+        quarantined = self.quarantines.engine_ids()
+        for engine_id in self.tiers.loaded_ids() & quarantined:
+            self._start_retire(engine_id)
         wanted: dict[int, VersionRecord] = {}
         for name in self.catalog.names():
             entry = self.catalog.entry(name)
             if entry is not None and entry.pinned:
                 record = self.catalog.versions(name)[entry.version]
-                wanted[record.engine_id] = record
+                if record.engine_id not in quarantined:
+                    wanted[record.engine_id] = record
         # Unpins first: a pinned name moved to a new version frees its old slot for the new one
         # (at once if no request is in flight on the old one; else when they end).
         for engine_id in wanted.keys() & self._unpins.keys():  # pinned again meanwhile
@@ -285,10 +312,55 @@ class AdapterRegistry:
         self._unpins[engine_id] = task
         return task
 
+    def _start_retire(self, engine_id: int) -> None:
+        """Remove `engine_id` from the engine once its leases end, in a task (idempotent)."""
+        if engine_id in self._retires:
+            return
+
+        async def retire() -> None:
+            try:
+                await self.tiers.retire(engine_id)
+            except Exception as e:  # the engine's own failure; the next reconcile tries again
+                log.warning("quarantined engine id %d was not removed from the engine: %s",
+                            engine_id, e)  # fmt: skip
+            finally:
+                del self._retires[engine_id]
+
+        self._retires[engine_id] = asyncio.create_task(retire(), name=f"retire-{engine_id}")
+
     def stop_background(self) -> None:
-        """Cancel the unpins still waiting for their adapter to go idle (at shutdown)."""
-        for task in self._unpins.values():
+        """Cancel the unpins and removals still waiting for their adapter to go idle (at
+        shutdown)."""
+        for task in (*self._unpins.values(), *self._retires.values()):
             task.cancel()
+
+    # ---- quarantine ----
+
+    async def quarantine(self, name: str, version: str, reason: str) -> None:
+        """See `AdapterSource.quarantine`: refused here at once, out of the engine once idle,
+        then recorded in the catalog (retried at each poll if the store fails)."""
+        reason = one_line(reason)
+        record = self.catalog.versions(name).get(version)
+        if record is None:
+            log.warning("quarantine of adapter %s version %s ignored: no such version (%s)",
+                        name, version, reason)  # fmt: skip
+            return
+        self.quarantines.add(record, reason)
+        self._start_retire(record.engine_id)
+        await self._record_quarantines()
+
+    async def _record_quarantines(self) -> None:
+        """Write this replica's quarantines the catalog lacks; one that fails stays for the
+        next poll. Never raises (the guard's call must not fail its caller)."""
+        for name, version in self.quarantines.unrecorded():
+            try:
+                await self._append(functools.partial(self.quarantines.event, name, version))
+            except (AdapterError, StoreError) as e:
+                log.warning("quarantine of adapter %s version %s holds on this replica; the "
+                            "catalog write failed and is retried at the next poll: %s",
+                            name, version, e)  # fmt: skip
+                return
+            self.quarantines.forget(name, version)
 
     async def poll_forever(self) -> None:
         while True:
@@ -303,13 +375,14 @@ class AdapterRegistry:
     async def warm(self, record: VersionRecord) -> None:
         """Make `record` resident in the engine's CPU cache without holding it."""
         if not self.tiers.try_hold(record.engine_id):
-            await self._hold_cold(record)
+            await self._hold_cold(record, record.name)
         await self.tiers.release(record.engine_id)
 
     async def _pin_record(self, record: VersionRecord) -> None:
         # Hold while pinning so the fresh load is not chosen as an eviction victim meanwhile.
+        self.quarantines.check(record, record.name)
         if not self.tiers.try_hold(record.engine_id):
-            await self._hold_cold(record)
+            await self._hold_cold(record, record.name)
         try:
             await self.tiers.pin(record.engine_id)
         finally:

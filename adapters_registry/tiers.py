@@ -7,7 +7,8 @@ is removed; when every slot is busy, a load waits for a request to finish. Pins 
 `max_loras` (vLLM needs a free GPU slot for unpinned adapters): pins and unpins take turns, so two
 at once cannot both pass the limit check. An adapter leaves the engine only with no request in
 flight on it: vLLM would load a removed adapter back by itself for a running request, behind
-this view's back; an unpin waits for such a moment without holding any request up.
+this view's back; an unpin waits for such a moment without holding any request up, and so does a
+retirement (a quarantined adapter: no new lease from the moment it is retired).
 
 All methods run on the event loop; `add_lora` awaits the engine.
 """
@@ -38,6 +39,7 @@ class _Slot:
     leases: int = 0
     last_used: float = 0.0
     draining: bool = False  # being unpinned: no new lease until it is back in the CPU cache
+    retiring: bool = False  # quarantined: no new lease; removed once the last one ends
 
 
 class EngineTiers:
@@ -95,8 +97,10 @@ class EngineTiers:
 
     @staticmethod
     def _settled(slot: _Slot | None) -> bool:
-        """Neither being added nor being unpinned: its leases can be taken."""
-        return slot is None or (slot.tier is not EngineTier.LOADING and not slot.draining)
+        """Neither being added, unpinned nor retired: its leases can be taken."""
+        return slot is None or (
+            slot.tier is not EngineTier.LOADING and not slot.draining and not slot.retiring
+        )
 
     async def release(self, engine_id: int) -> None:
         slot = self._slots.get(engine_id)
@@ -207,6 +211,26 @@ class EngineTiers:
         slot = self._slots.get(engine_id)
         return slot is None or slot.tier is not EngineTier.GPU or slot.leases == 0
 
+    async def retire(self, engine_id: int) -> None:
+        """Remove `engine_id` (CPU cache, GPU slot, pin) once no request holds it, however long
+        that takes (callers run it as a task); from the call on it takes no new lease, and a
+        `load` of it waits for the removal. Returns at once if it is not in the engine."""
+        slot = self._slots.get(engine_id)
+        if slot is None:
+            return
+        slot.retiring = True
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._removable(engine_id, slot))
+            if self._slots.get(engine_id) is slot:
+                await self._remove(engine_id)
+            self._changed.notify_all()
+
+    def _removable(self, engine_id: int, slot: _Slot) -> bool:
+        """`slot` is gone, or idle and neither being added nor being unpinned."""
+        if self._slots.get(engine_id) is not slot:
+            return True
+        return slot.leases == 0 and slot.tier is not EngineTier.LOADING and not slot.draining
+
     async def evict(self, engine_id: int, drain_s: float) -> bool:
         """Remove from the engine once no request holds it (waiting up to `drain_s`)."""
         deadline = time.monotonic() + drain_s
@@ -241,4 +265,6 @@ class EngineTiers:
             if slot is not None and slot.leases == 0:
                 del self._slots[engine_id]
         self._publish()
+        async with self._changed:
+            self._changed.notify_all()  # a retirement waiting on a slot the engine lost
         return extra, lost

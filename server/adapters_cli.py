@@ -4,6 +4,7 @@
     loraplex adapters register acme/bot s3://bucket/adapters/my-adapter/ [--warm] [--pinned]
     loraplex adapters list | get NAME | pin NAME | unpin NAME | delete NAME
     loraplex adapters evict NAME --tier cpu|disk | rollback NAME [--version V]
+    loraplex adapters quarantine NAME --reason WHY [--version V] | unquarantine NAME [--version V]
 
 The server address and admin token come from `--url`/`--admin-token`, else from the settings
 (`http.host`, `http.port`, `http.admin_token`); S3 endpoint and retries from `registry.*`.
@@ -97,6 +98,10 @@ _COMMANDS: dict[str, Any] = {
     "evict": lambda a, s: _call(a, s, "POST", f"/{a.name}/evict", {"tier": a.tier}),
     "rollback": lambda a, s: _call(a, s, "POST", f"/{a.name}/rollback", {"version": a.version}),
     "delete": lambda a, s: _call(a, s, "DELETE", f"/{a.name}"),
+    "quarantine": lambda a, s: _call(a, s, "POST", f"/{a.name}/quarantine", {
+        "reason": a.reason, "version": a.version}),
+    "unquarantine": lambda a, s: _call(a, s, "POST", f"/{a.name}/unquarantine", {
+        "version": a.version}),
     "push": push,
 }  # fmt: skip
 
@@ -134,6 +139,13 @@ def add_parser(subparsers: Any) -> None:
     p = commands.add_parser("rollback", help="point the name at its previous version")
     p.add_argument("name")
     p.add_argument("--version", help="a version it had before (default: the previous one)")
+    p = commands.add_parser("quarantine", help="take a version out of service (all replicas)")
+    p.add_argument("name")
+    p.add_argument("--reason", required=True, help="why (shown to requests naming it)")
+    p.add_argument("--version", help="a version of it (default: the current one)")
+    p = commands.add_parser("unquarantine", help="let a quarantined version serve again")
+    p.add_argument("name")
+    p.add_argument("--version", help="a version of it (default: the current one)")
     p = commands.add_parser("push", help="upload an adapter folder to S3 with a progress bar")
     p.add_argument("dir", type=Path, help="folder with adapter_config.json + .safetensors")
     p.add_argument("dest", help="s3://bucket/prefix/")

@@ -7,6 +7,8 @@
     POST   /admin/v1/adapters/{name}/pin         keep in a GPU slot (also /unpin)
     POST   /admin/v1/adapters/{name}/evict       {tier: cpu|disk} drop from that tier and above
     POST   /admin/v1/adapters/{name}/rollback    {version?} back to the previous (or a given) one
+    POST   /admin/v1/adapters/{name}/quarantine  {reason, version?} out of service, every replica
+    POST   /admin/v1/adapters/{name}/unquarantine {version?} serving again (default: current)
 
 Registry errors (`AdapterError`) become the OpenAI error envelope in the app's one handler.
 """
@@ -20,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from loraplex.adapters_registry.admin import AdapterInfo, EvictTier, ManagedRegistry
+from loraplex.adapters_registry.quarantine import MAX_REASON_CHARS
 from loraplex.server.deps import app_resource
 from loraplex.server.tenancy.deps import AdminDep
 
@@ -53,6 +56,21 @@ class RollbackRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
     version: str | None = Field(default=None, description="Version (or prefix); default previous.")
+
+
+class QuarantineRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    reason: str = Field(
+        min_length=1, max_length=MAX_REASON_CHARS, description="Why, shown to its requests."
+    )
+    version: str | None = Field(default=None, description="Version (or prefix); default current.")
+
+
+class UnquarantineRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    version: str | None = Field(default=None, description="Version (or prefix); default current.")
 
 
 def _out(info: AdapterInfo) -> dict[str, Any]:
@@ -90,6 +108,20 @@ async def rollback(
     name: str, registry: RegistryDep, body: RollbackRequest | None = None
 ) -> dict[str, Any]:
     return _out(await registry.rollback(name, body.version if body else None))
+
+
+@router.post("/{name:path}/quarantine")
+async def quarantine(name: str, body: QuarantineRequest, registry: RegistryDep) -> dict[str, Any]:
+    info = await registry.set_quarantined(name, True, version=body.version, reason=body.reason)
+    return _out(info)
+
+
+@router.post("/{name:path}/unquarantine")
+async def unquarantine(
+    name: str, registry: RegistryDep, body: UnquarantineRequest | None = None
+) -> dict[str, Any]:
+    version = body.version if body else None
+    return _out(await registry.set_quarantined(name, False, version=version))
 
 
 @router.get("/{name:path}")

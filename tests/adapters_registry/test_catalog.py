@@ -9,7 +9,7 @@ import pytest
 
 from loraplex.adapters_registry import catalog as catalog_module
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
-from loraplex.adapters_registry.catalog import Catalog, FileEntry, VersionRecord
+from loraplex.adapters_registry.catalog import Catalog, FileEntry, VersionHealth, VersionRecord
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.names import AdapterRef, check_name, parse_ref
 from loraplex.adapters_registry.s3_store import S3Store
@@ -187,3 +187,30 @@ def test_a_snapshot_pointing_a_name_at_a_version_it_lacks_is_repaired_on_load(
     loaded = Catalog(LocalStore(tmp_path / "other"))
     loaded.load_snapshot(snap)
     assert loaded.resolve(AdapterRef("x")).version == "a" * 64 and loaded.names() == ["x"]
+
+
+def test_quarantine_replays_survives_snapshots_and_goes_with_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(catalog_module, "SNAPSHOT_EVERY", 1)
+    store = LocalStore(tmp_path)
+    cat = Catalog(store)
+    v1, v2 = "a" * 64, "b" * 64
+    append(cat, Catalog.register_event(record("bot", v1, 1), pinned=False))
+    append(cat, Catalog.register_event(record("bot", v2, 2), pinned=False))
+    append(cat, Catalog.event("quarantine", "bot", version=v1, reason="nan"))
+    append(cat, Catalog.event("quarantine", "bot", version="c" * 64, reason="unknown version"))
+    append(cat, Catalog.event("renamed_in_a_later_release", "bot"))  # unknown ops: ignored
+    cat.write_snapshot(cat.snapshot())
+    for c in (cat, replay(store)):
+        assert c.health("bot", v1) is VersionHealth.QUARANTINED
+        assert c.health("bot", v2) is VersionHealth.HEALTHY
+        quarantine = c.quarantine_of("bot", v1)
+        assert quarantine is not None and quarantine.reason == "nan"
+        assert c.quarantined_engine_ids() == {1}
+    append(cat, Catalog.event("unquarantine", "bot", version=v1))
+    assert replay(store).health("bot", v1) is VersionHealth.HEALTHY
+    append(cat, Catalog.event("quarantine", "bot", version=v2, reason="inf"))
+    append(cat, Catalog.event("delete", "bot"))
+    append(cat, Catalog.register_event(record("bot", v2, 3), pinned=False))  # the same bytes
+    assert replay(store).health("bot", v2) is VersionHealth.HEALTHY  # a fresh history

@@ -8,6 +8,7 @@ and LoRA control, as in the registry's other tests; this is a test of the order 
 from __future__ import annotations
 
 import asyncio
+import importlib
 from typing import Any
 
 import pytest
@@ -83,6 +84,9 @@ async def test_queued_requests_hold_no_adapter_so_cold_adapters_cannot_deadlock(
         body = CompletionRequest(model=model, prompt="hi", max_tokens=3)
         return asyncio.create_task(complete(Request(), gateway, body, tenant))  # type: ignore[arg-type]
 
+    # The first request imports vLLM (sampling params): 10-14 s on a busy 2-core machine, which
+    # is not the wait under test.
+    await asyncio.to_thread(importlib.import_module, "vllm.sampling_params")
     first = [request(f"a{i}") for i in range(3)]
     await asyncio.wait_for(engine.filled.wait(), 10)  # all three loaded and generating
     cold = [request("a3") for _ in range(3)]

@@ -174,3 +174,25 @@ async def test_reconcile_drops_what_only_one_side_holds(tmp_path: Path) -> None:
     del engine.loaded[1]  # and something the engine lost
     assert await tiers.reconcile() == ({99}, {1})
     assert engine.loaded == {} and tiers.loaded_ids() == set()
+
+
+async def test_retire_takes_no_new_lease_and_removes_a_pinned_adapter_once_idle(
+    tmp_path: Path,
+) -> None:
+    engine = FakeEngine()
+    tiers = make(engine, max_cpu=3, max_pinned=1)
+    (a1,) = adapters(tmp_path, 1)
+    await tiers.load(a1, 100)
+    await tiers.pin(1)
+    assert tiers.try_hold(1)  # the request that found it bad
+    retiring = asyncio.create_task(tiers.retire(1))
+    await asyncio.sleep(0.02)
+    assert not tiers.try_hold(1)  # no new lease from the call on
+    assert not retiring.done() and engine.pinned == {1}  # the running request finishes
+    loading = asyncio.create_task(tiers.load(a1, 100))  # a load waits for the removal
+    await asyncio.sleep(0.02)
+    assert not loading.done()
+    await tiers.release(1)
+    await asyncio.wait_for(asyncio.gather(retiring, loading), 1)
+    assert engine.loaded == {} and engine.pinned == set() and tiers.loaded_ids() == set()
+    await tiers.retire(1)  # not loaded: returns at once
