@@ -299,6 +299,7 @@ async def complete(
             adapter=body.model if is_adapter else None,
             prompt_tokens=len(prep.prompt_ids),
             max_tokens=prep.params.max_tokens or 0,
+            n=prep.params.n,
         )
         stack.callback(prep.admitted.close)
         if is_adapter:

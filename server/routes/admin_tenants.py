@@ -1,7 +1,8 @@
 """`/admin/v1/tenants`: create, list, read, change, rotate keys of, and delete tenants.
 
-Admin token only. A new key is in the response of `POST /tenants` and `POST /tenants/{id}/keys`
-and nowhere else, ever: the server keeps only its salted hash.
+Admin token only. Weights and quotas are held to the bounds in `tenancy/settings.py` (a 400
+names the field and the bound). A new key is in the response of `POST /tenants` and
+`POST /tenants/{id}/keys` and nowhere else, ever: the server keeps only its salted hash.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
 from loraplex.server.tenancy.deps import AdminDep, TenancyDep
-from loraplex.server.tenancy.settings import TENANT_ID_PATTERN, Quotas
+from loraplex.server.tenancy.settings import TENANT_ID_PATTERN, Quotas, Weight
 
 router = APIRouter(prefix="/admin/v1/tenants", tags=["admin"])
 
@@ -22,7 +23,7 @@ class CreateTenant(BaseModel):
 
     id: str = Field(pattern=TENANT_ID_PATTERN)
     display_name: str = Field(default="", max_length=200)
-    weight: float = Field(default=1.0, gt=0.0, le=1000.0)
+    weight: Weight = 1.0
     quotas: Quotas = Field(default_factory=lambda: Quotas())
 
 
@@ -30,7 +31,7 @@ class UpdateTenant(BaseModel):
     model_config = {"extra": "forbid"}
 
     display_name: str | None = Field(default=None, max_length=200)
-    weight: float | None = Field(default=None, gt=0.0, le=1000.0)
+    weight: Weight | None = None
     quotas: Quotas | None = None
 
 

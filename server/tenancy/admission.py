@@ -1,8 +1,11 @@
 """Admission: a request passes its tenant's quotas, then waits its fair turn for the engine.
 
 `enter` decides synchronously, before any response byte is sent, so refusals are proper HTTP
-answers (429 from quotas, 503 from a full queue). The wait for the engine slot happens later,
-inside the response, where a client that goes away cancels it.
+answers (400 for a request no wait can admit, 429 from quotas, 503 from a full queue). It checks
+the quotas, queues, and only then takes from the quotas: the check and the queue change nothing
+when they refuse, and the take cannot fail, so no refusal leaves a quota or a queue place behind.
+The wait for the engine slot happens later, inside the response, where a client that goes away
+cancels it.
 """
 
 from __future__ import annotations
@@ -10,19 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from loraplex.server.tenancy.errors import QueueFull
+from loraplex.server.tenancy.errors import RequestTooLarge
 from loraplex.server.tenancy.fair import FairDispatcher, Ticket
 from loraplex.server.tenancy.model import Tenant
-from loraplex.server.tenancy.quotas import QuotaGate
+from loraplex.server.tenancy.quotas import Demand, QuotaGate, Reservation
 from loraplex.server.tenancy.settings import TenancySettings
 
 
 class Entry:
     """An admitted request. `wait` for the engine slot; `close(tokens)` exactly once at the end."""
 
-    def __init__(self, gate: QuotaGate, ticket: Ticket) -> None:
+    def __init__(self, gate: QuotaGate, ticket: Ticket, reservation: Reservation) -> None:
         self._gate = gate
         self._ticket = ticket
+        self._reservation = reservation
         self._closed = False
 
     async def wait(self) -> float:
@@ -34,12 +38,15 @@ class Entry:
         return self._ticket.engine_priority
 
     def close(self, tokens: int) -> None:
-        """Free the slot (or leave the queue) and charge `tokens` to the tenant's token quota."""
+        """Free the slots (or leave the queue) and settle the tenant's quotas: `tokens` used,
+        the rest of the reservation given back."""
         if self._closed:
             return
         self._closed = True
-        self._ticket.close()
-        self._gate.release(tokens)
+        try:
+            self._ticket.close()
+        finally:  # the ticket leaves the queue before anything in its close can fail
+            self._gate.release(self._reservation, tokens)
 
 
 class Admission:
@@ -62,13 +69,19 @@ class Admission:
             gate.set_quotas(tenant.quotas)
         return gate
 
-    def enter(self, tenant: Tenant, cost: float = 1.0) -> Entry:
-        """Admit one request or raise RateLimited (429) / QueueFull (503)."""
+    def enter(self, tenant: Tenant, demand: Demand) -> Entry:
+        """Admit one request or raise RequestTooLarge (400) / RateLimited (429) / QueueFull (503).
+        Its place in the fair queue costs what it may process (prompt + n x max_tokens)."""
+        max_running = self.dispatcher.max_running
+        if demand.n > max_running:
+            raise RequestTooLarge(
+                f"`n` ({demand.n}) exceeds tenancy.max_running ({max_running}), the sequences "
+                "this server runs at once.",
+                param="n",
+                reason="max_running",
+            )
         gate = self._gate(tenant)
-        gate.admit()
-        try:
-            ticket = self.dispatcher.enqueue(tenant.id, tenant.weight, cost)
-        except QueueFull:
-            gate.refuse()
-            raise
-        return Entry(gate, ticket)
+        reservation = gate.check(demand)
+        ticket = self.dispatcher.enqueue(tenant.id, tenant.weight, float(demand.tokens), demand.n)
+        gate.take(reservation)
+        return Entry(gate, ticket, reservation)

@@ -43,3 +43,15 @@ class TenantConflict(errors.ApiError):
     status = 409
     type = "invalid_request_error"
     code = "tenant_conflict"
+
+
+class RequestTooLarge(errors.InvalidRequest):
+    """A request that no wait can admit: it needs more than a limit holds in all (more choices
+    than `tenancy.max_running`, more tokens than a minute of `tokens_per_minute`). A 400, not a
+    429: a 429's Retry-After promises that waiting helps, and clients retry it on their own."""
+
+    code = "request_too_large"
+
+    def __init__(self, message: str, *, param: str | None, reason: str) -> None:
+        super().__init__(message, param=param)
+        self.reason = reason

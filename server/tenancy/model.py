@@ -12,12 +12,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from loraplex.server.tenancy.keys import HashedKey
-from loraplex.server.tenancy.settings import DEFAULT_TENANT_ID, Quotas
+from loraplex.server.tenancy.settings import DEFAULT_TENANT_ID, Quotas, Weight
 
 # What may follow `tenant/`: ASCII, no second `/`, optionally `@version`. Anything else (path
 # tricks, look-alike characters) is simply not the tenant's, hence "not found".
 _ADAPTER_PART = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}(@[A-Za-z0-9._-]{1,128})?")
+_WEIGHT = TypeAdapter(Weight)
 
 
 class TenantSource(enum.Enum):
@@ -78,10 +81,12 @@ class Tenant:
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> Tenant:
+        """A stored tenant, its weight and quotas held to the bounds the admin API checks
+        (raises ValueError: a record written by hand or before a bound existed)."""
         return cls(
             id=data["id"],
             display_name=data.get("display_name", ""),
-            weight=float(data.get("weight", 1.0)),
+            weight=_WEIGHT.validate_python(data.get("weight", 1.0)),
             quotas=Quotas.model_validate(data.get("quotas", {})),
             source=TenantSource.STORE,
             keys=tuple(HashedKey.from_json(k) for k in data.get("keys", [])),

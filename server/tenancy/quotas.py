@@ -1,20 +1,58 @@
-"""Per-tenant quotas: concurrent requests, requests per minute, tokens per minute.
+"""Per-tenant quotas: concurrent sequences, sequences per minute, tokens per minute.
 
-Rates are token buckets holding one minute's allowance and refilling continuously. Requests are
-taken from their bucket on admission. Tokens are charged when they are known (prompt and generated
-counts at the end of a request), so the token bucket may go into debt; a tenant in debt is refused
-until the refill pays it back, and Retry-After says when that will be.
+A request is paid for up front: it counts its `n` sequences against `max_concurrent` and
+`requests_per_minute`, and reserves what it may process, prompt + n x max_tokens, against
+`tokens_per_minute`. When it ends, what the engine did not process is given back (all of it for a
+request that never reached the engine). So a tenant is never served more than its quota: charged
+only at the end, one request of n = 16 gave a tenant at 200 tokens a minute 6,431 tokens before
+its first 429.
+
+Rates are token buckets holding one minute's allowance and refilling continuously. A bucket can
+still be in debt (a request that used more than it reserved, a quota lowered under requests in
+flight); a tenant in debt is refused until the refill pays it back, and Retry-After says when that
+will be. A request that needs more than a whole limit can never be admitted: 400, not 429.
+
+`check` decides and changes nothing; `take` writes and cannot raise, so admission can check the
+quotas, then queue, then take, and a refusal anywhere leaves nothing to undo.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from loraplex.server.tenancy.errors import RateLimited
+from loraplex.server.tenancy.errors import RateLimited, RequestTooLarge
 from loraplex.server.tenancy.settings import Quotas
 
 Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one request may cost: `n` sequences, and its prompt plus n x max_tokens tokens."""
+
+    prompt_tokens: int
+    n: int = 1
+    max_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.n * self.max_tokens
+
+    def spelled(self) -> str:
+        return (
+            f"{self.tokens} tokens ({self.prompt_tokens} in the prompt + n {self.n} x max_tokens "
+            f"{self.max_tokens})"
+        )
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What admission took from the quotas for one request, given back or settled at its end."""
+
+    sequences: int
+    tokens: int  # 0 when tokens_per_minute was unlimited at admission
 
 
 class TokenBucket:
@@ -33,18 +71,10 @@ class TokenBucket:
         self._at = now
         return self._level
 
-    def try_take(self, n: float = 1.0) -> float:
-        """Take `n` units if available and return 0.0; else take nothing and return the wait."""
+    def wait_for(self, n: float) -> float:
+        """Seconds until `n` units are there (0.0: now); takes nothing."""
         level = self._refill()
-        if level >= n:
-            self._level = level - n
-            return 0.0
-        return (n - level) / self._rate
-
-    def debt_wait(self) -> float:
-        """Seconds until the bucket is out of debt (0.0 if it is not in debt)."""
-        level = self._refill()
-        return 0.0 if level >= 0 else -level / self._rate
+        return 0.0 if level >= n else (n - level) / self._rate
 
     def charge(self, n: float) -> None:
         """Take `n` units unconditionally (the bucket may go negative)."""
@@ -67,7 +97,7 @@ class QuotaGate:
 
     def __init__(self, quotas: Quotas, clock: Clock = time.monotonic) -> None:
         self._clock = clock
-        self.in_flight = 0
+        self.in_flight = 0  # sequences
         self._requests: TokenBucket | None = None
         self._tokens: TokenBucket | None = None
         self.set_quotas(quotas)
@@ -85,39 +115,75 @@ class QuotaGate:
             return None
         return old.resized(per_minute) if old else TokenBucket(per_minute, self._clock)
 
-    def admit(self) -> None:
-        """Count one request in, or raise RateLimited naming the exhausted quota."""
+    def check(self, demand: Demand) -> Reservation:
+        """What admitting `demand` would take; raises RequestTooLarge (400) if no wait can admit
+        it, RateLimited (429) naming the exhausted quota if it must wait. Takes nothing."""
+        self._check_fits_at_all(demand)
         limit = self.quotas.max_concurrent
-        if limit and self.in_flight >= limit:
+        if limit and self.in_flight + demand.n > limit:
             raise RateLimited(
-                f"Too many concurrent requests: the limit is {limit}.",
+                f"Too many concurrent requests: {self.in_flight} sequences are in flight and "
+                f"the limit is {limit} (a request counts its `n`).",
                 reason="max_concurrent",
                 retry_after=1.0,
             )
-        if self._tokens is not None and (wait := self._tokens.debt_wait()) > 0:
+        if self._tokens is not None and (wait := self._tokens.wait_for(demand.tokens)) > 0:
             raise RateLimited(
-                f"Token rate limit reached: the limit is {self.quotas.tokens_per_minute} "
-                "tokens per minute.",
+                f"Token rate limit reached: this request reserves {demand.spelled()} and the "
+                f"limit is {self.quotas.tokens_per_minute} tokens per minute.",
                 reason="tokens_per_minute",
                 retry_after=wait,
             )
-        if self._requests is not None and (wait := self._requests.try_take()) > 0:
+        if self._requests is not None and (wait := self._requests.wait_for(demand.n)) > 0:
             raise RateLimited(
                 f"Request rate limit reached: the limit is {self.quotas.requests_per_minute} "
-                "requests per minute.",
+                "requests per minute (a request counts its `n`).",
                 reason="requests_per_minute",
                 retry_after=wait,
             )
-        self.in_flight += 1
+        return Reservation(demand.n, demand.tokens if self._tokens is not None else 0)
 
-    def release(self, tokens: int) -> None:
-        """One admitted request is done; charge the tokens it used."""
-        self.in_flight -= 1
-        if self._tokens is not None and tokens:
-            self._tokens.charge(tokens)
+    def _check_fits_at_all(self, demand: Demand) -> None:
+        q = self.quotas
+        per_sequence = {
+            "max_concurrent": q.max_concurrent,
+            "requests_per_minute": q.requests_per_minute,
+        }
+        for name, limit in per_sequence.items():
+            if limit and demand.n > limit:
+                raise RequestTooLarge(
+                    f"`n` ({demand.n}) exceeds your quota {name} ({limit}): a request counts "
+                    "each of its choices.",
+                    param="n",
+                    reason=name,
+                )
+        tpm = q.tokens_per_minute
+        if tpm and demand.tokens > tpm:
+            smaller_output_fits = demand.prompt_tokens + demand.n <= tpm
+            raise RequestTooLarge(
+                f"This request reserves {demand.spelled()}, more than your quota "
+                f"tokens_per_minute ({tpm}) holds: it can never be admitted. Lower max_tokens "
+                "or n, or shorten the prompt.",
+                param="max_tokens" if smaller_output_fits else None,
+                reason="tokens_per_minute",
+            )
 
-    def refuse(self) -> None:
-        """Undo `admit` for a request refused after it (queue full): it used no allowance."""
-        self.in_flight -= 1
+    def take(self, reservation: Reservation) -> None:
+        """Count an admitted request in (after `check` allowed it, with nothing between)."""
+        self.in_flight += reservation.sequences
         if self._requests is not None:
-            self._requests.give_back(1)
+            self._requests.charge(reservation.sequences)
+        if self._tokens is not None and reservation.tokens:
+            self._tokens.charge(reservation.tokens)
+
+    def release(self, reservation: Reservation, used_tokens: int) -> None:
+        """An admitted request is done and used `used_tokens`: give back the rest of its
+        reservation (or charge what it used beyond it)."""
+        self.in_flight -= reservation.sequences
+        if self._tokens is None:
+            return
+        unused = reservation.tokens - used_tokens
+        if unused > 0:
+            self._tokens.give_back(unused)
+        elif unused < 0:
+            self._tokens.charge(-unused)

@@ -1,11 +1,13 @@
 """Tenancy as the gateway sees it: one object built in the lifespan, used by every /v1 request.
 
 Per request, in order: `authenticate` (401), then the route checks `tenant.may_use(model)` (404
-exactly like an unknown model), then `admit` (429 quota / 503 queue full, before any response
-byte), then `Admitted.turn` waits for the fair engine slot inside the response (the gateway leases
-the adapter only then), and `Admitted.generate` streams the engine's outputs, counting tokens into
-the request's record. Closing frees the slot and charges the tenant's token quota with the tokens
-the engine processed (none for a request that failed or left before it reached the engine).
+exactly like an unknown model), then `admit` (400 for a request no wait can admit, 429 quota, 503
+queue full, before any response byte; it reserves the request's n sequences and its prompt +
+n x max_tokens tokens), then `Admitted.turn` waits for the fair engine slot inside the response
+(the gateway leases the adapter only then), and `Admitted.generate` streams the engine's outputs,
+counting tokens into the request's record. Closing frees the
+slots and settles the tenant's token quota with the tokens the engine processed, giving back the
+rest of the reservation (all of it for a request that failed or left before the engine).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import TYPE_CHECKING, cast
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission, Entry
 from loraplex.server.tenancy.directory import TenantDirectory
-from loraplex.server.tenancy.errors import QueueFull, RateLimited, Unauthorized
+from loraplex.server.tenancy.errors import QueueFull, RateLimited, RequestTooLarge, Unauthorized
 from loraplex.server.tenancy.model import Tenant
+from loraplex.server.tenancy.quotas import Demand
 from loraplex.server.tenancy.record import RequestRecord
 from loraplex.server.tenancy.settings import TenancySettings
 
@@ -116,13 +119,15 @@ class Tenancy:
         adapter: str | None,
         prompt_tokens: int,
         max_tokens: int,
+        n: int = 1,
     ) -> Admitted:
-        """Admit one request (raises RateLimited 429 / QueueFull 503); cost = its token budget."""
+        """Admit one request of `n` choices (raises RequestTooLarge 400 / RateLimited 429 /
+        QueueFull 503): it reserves n sequences and prompt + n x max_tokens tokens."""
         if record is not None:
             record.model, record.adapter, record.prompt_tokens = model, adapter, prompt_tokens
         try:
-            entry = self.admission.enter(tenant, cost=float(prompt_tokens + max_tokens))
-        except (RateLimited, QueueFull) as e:
+            entry = self.admission.enter(tenant, Demand(prompt_tokens, n, max_tokens))
+        except (RequestTooLarge, RateLimited, QueueFull) as e:
             self.metrics.observe_rejection(tenant.id, e.reason)
             raise
         return Admitted(entry, record)

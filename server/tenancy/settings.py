@@ -10,6 +10,7 @@ for the life of the process, as the file keeps them on disk.
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
@@ -17,20 +18,50 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 DEFAULT_TENANT_ID = "default"
 
+# Weights are relative shares: 1:10^6 between the lightest and the heaviest tenant is beyond any
+# tiering, and keeps the fair queue's arithmetic (finish tags of cost / weight, the weighted
+# division of slots) far inside float64's 2^-52 relative precision. Beside weight 1, a weight of
+# 1e-17 vanished from a sum (1.0 + 1e-17 == 1.0) and the slot division divided by zero.
+MIN_WEIGHT = 0.001
+MAX_WEIGHT = 1000.0
+Weight = Annotated[float, Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=False)]
+
+# Quota bounds: far above what a whole fleet serves one tenant (an H200 decodes on the order of
+# 10^4-10^5 tokens/s, a few million tokens a minute), and below 2^53, so the float64 token
+# buckets count every unit exactly. 10**400 tokens a minute overflowed the bucket's float.
+MAX_CONCURRENT_LIMIT = 1_000_000
+MAX_REQUESTS_PER_MINUTE = 100_000_000
+MAX_TOKENS_PER_MINUTE = 10_000_000_000
+
 
 class Quotas(BaseModel):
-    """Per-tenant limits; 0 means unlimited. Exceeding one answers 429 with Retry-After."""
+    """Per-tenant limits; 0 means unlimited. Exceeding one answers 429 with Retry-After.
+
+    A request with `n` choices counts as `n` requests (sequences) against `max_concurrent` and
+    `requests_per_minute`, and reserves prompt + n x max_tokens against `tokens_per_minute` at
+    admission; what it did not use is given back when it ends.
+    """
 
     model_config = {"extra": "forbid"}  # a misspelt key is an error, not a default
 
     max_concurrent: int = Field(
-        default=0, ge=0, description="Requests of the tenant in flight at once."
+        default=0,
+        ge=0,
+        le=MAX_CONCURRENT_LIMIT,
+        description="Sequences of the tenant in flight at once (a request counts its `n`).",
     )
-    requests_per_minute: int = Field(default=0, ge=0, description="Requests admitted per minute.")
+    requests_per_minute: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_REQUESTS_PER_MINUTE,
+        description="Sequences admitted per minute (a request counts its `n`).",
+    )
     tokens_per_minute: int = Field(
         default=0,
         ge=0,
-        description="Prompt plus generated tokens per minute (charged when they are known).",
+        le=MAX_TOKENS_PER_MINUTE,
+        description="Prompt plus generated tokens per minute: prompt + n x max_tokens reserved "
+        "at admission, the unused part given back at the end.",
     )
 
 
@@ -42,7 +73,7 @@ class TenantConfig(BaseModel):
     id: str = Field(pattern=TENANT_ID_PATTERN, description="Stable id; the adapter namespace.")
     display_name: str = Field(default="", max_length=200)
     api_keys: list[SecretStr] = Field(default_factory=list, description="Plain keys (hashed).")
-    weight: float = Field(default=1.0, gt=0.0, le=1000.0, description="Fair-share weight.")
+    weight: Weight = Field(default=1.0, description="Fair-share weight.")
     quotas: Quotas = Field(default_factory=lambda: Quotas())
 
     @field_validator("api_keys")
@@ -65,14 +96,21 @@ class TenancySettings(BaseModel):
         default="tenants/",
         description="Prefix of tenant records in the adapter catalog's object store.",
     )
+    # Bounds: no engine batches more than a few thousand sequences (vLLM's max_num_seqs is 256
+    # to 1,024 on GPUs), and a million waiting requests is more than one process should hold.
     max_running: int = Field(
         default=16,
         ge=1,
-        description="Requests dispatched to the engine at once; the rest wait in fair queues. "
-        "Small values keep a flooding tenant's batch from slowing everyone's prefill.",
+        le=65_536,
+        description="Sequences dispatched to the engine at once (a request counts its `n`); the "
+        "rest wait in fair queues. Small values keep a flooding tenant's batch from slowing "
+        "everyone's prefill. A request with more choices than this is refused (400).",
     )
     max_queued: int = Field(
-        default=256, ge=0, description="Requests waiting across all tenants; one more answers 503."
+        default=256,
+        ge=0,
+        le=1_000_000,
+        description="Requests waiting across all tenants; one more answers 503.",
     )
     # The window is also how far back a tenant's peak load reaches, and the peak + 1 is what is
     # reserved for it. On the CPU fairness bench (B Poisson at 0.25 req/s beside an 8x flood,
@@ -82,6 +120,7 @@ class TenancySettings(BaseModel):
     active_window_s: float = Field(
         default=60.0,
         gt=0.0,
+        le=86_400.0,  # a day: past that a tenant's reservation outlives any burst it describes
         description="A tenant seen within this many seconds keeps its share of `max_running` "
         "reserved (its peak load in the window, plus one), so its next request need not wait "
         "behind another tenant's backlog.",

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from loraplex.adapters_registry.store import ObjectMissing, ObjectStore
 from loraplex.server.tenancy.model import Tenant
+
+log = logging.getLogger(__name__)
 
 
 class TenantStore:
@@ -33,11 +36,17 @@ class TenantStore:
             if not key.endswith(".json"):
                 continue
             try:
-                record = json.loads(self._store.get_bytes(key))
+                data = self._store.get_bytes(key)
             except ObjectMissing:
                 continue  # deleted between listing and reading
-            if not record.get("deleted"):
-                tenant = Tenant.from_record(record)
+            try:
+                tenant = _live_tenant(json.loads(data))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                # One bad record (written by hand, or before a bound existed) must not stop
+                # every other tenant from loading; its tenant stays out until it is fixed.
+                log.error("tenant record %s is invalid and is skipped: %s", key, e)
+                continue
+            if tenant is not None:
                 tenants[tenant.id] = tenant
         return tenants
 
@@ -48,3 +57,8 @@ class TenantStore:
     async def delete(self, tenant_id: str) -> None:
         data = json.dumps({"id": tenant_id, "deleted": True}).encode()
         await asyncio.to_thread(self._store.put_bytes, self._key(tenant_id), data)
+
+
+def _live_tenant(record: dict[str, object]) -> Tenant | None:
+    """The record's tenant, None for a tombstone; raises ValueError, KeyError or TypeError."""
+    return None if record.get("deleted") else Tenant.from_record(record)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import math
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from loraplex.server.tenancy.errors import QueueFull
-from loraplex.server.tenancy.fair import FairDispatcher, Ticket
+from loraplex.server.tenancy.fair import FairDispatcher, Ticket, water_fill
 
 
 def run(coro):
@@ -237,3 +242,230 @@ def test_a_tenant_alone_is_never_backlogged_for_the_engine() -> None:
         return priorities
 
     assert run(scenario()) == [0, 0, 0, 0]
+
+
+# --- sequences: a request with n choices is n sequences ----------------------------------------
+def test_a_request_counts_its_sequences_against_max_running() -> None:
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=4, max_queued=100, active_window_s=10.0)
+        wide = d.enqueue("a", 1.0, sequences=3)
+        pair = d.enqueue("a", 1.0, sequences=2)  # 3 + 2 > 4: waits
+        one = d.enqueue("a", 1.0)  # behind a's own pair, though one slot is free
+        assert wide.dispatched and not pair.dispatched and not one.dispatched
+        assert d.totals() == {"running": 3, "queued": 2}
+        wide.close()
+        assert pair.dispatched and one.dispatched
+        assert d.totals() == {"running": 3, "queued": 0} and d.running("a") == 2
+        for t in (pair, one):
+            t.close()
+        assert d.totals() == {"running": 0, "queued": 0}
+
+    run(scenario())
+
+
+def test_a_wide_request_borrows_past_its_share_and_others_keep_theirs() -> None:
+    """b was active: its share is 2 of 16 slots, a's 14. a's requests of n=16 start one at a
+    time, borrowing the 2 sequences past a's share, so b's next two requests still start at once
+    and the engine never holds more than max_running + n sequences."""
+
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=16, max_queued=100, active_window_s=10.0)
+        d.enqueue("b", 1.0).close()
+        flood = [d.enqueue("a", 1.0, cost=16.0, sequences=16) for _ in range(3)]
+        assert [t.dispatched for t in flood] == [True, False, False]
+        light = [d.enqueue("b", 1.0) for _ in range(2)]
+        assert all(t.dispatched for t in light)
+        assert d.totals() == {"running": 18, "queued": 2}
+        assert not d.enqueue("c", 1.0, sequences=16).dispatched  # one loan at a time
+        for t in light:
+            t.close()
+        flood[0].close()
+        assert d.totals()["running"] <= 16 + 16
+        assert d.running("a") + d.running("c") == 1  # the next wide request, on the next loan
+
+    run(scenario())
+
+
+def test_a_light_tenants_requests_start_at_once_beside_a_flood_of_n16() -> None:
+    """Finding 5 of issue 45 in the dispatcher: every one of b's requests starts on arrival
+    while a keeps 20 requests of n=16 queued, and the sequences dispatched stay within
+    max_running + 16 whatever is in flight."""
+
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=16, max_queued=100, active_window_s=60.0)
+        d.enqueue("b", 1.0).close()
+        flood = [d.enqueue("a", 1.0, cost=16 * 64.0, sequences=16) for _ in range(20)]
+        for _ in range(10):
+            b = d.enqueue("b", 1.0, cost=64.0)
+            assert b.dispatched
+            assert d.totals()["running"] <= 16 + 16
+            b.close()
+            next(t for t in flood if t.dispatched and not t.closed).close()
+        for t in flood:
+            t.close()
+
+    run(scenario())
+
+
+# --- bounds and exception safety ---------------------------------------------------------------
+@pytest.mark.parametrize("weight", [5e-324, 1e-17, 0.0, -1.0, float("nan"), float("inf"), 1001.0])
+def test_a_weight_out_of_bounds_is_refused_before_anything_is_queued(weight: float) -> None:
+    """Issue 45, finding 2: a weight of 5e-324 or 1e-17 raised ZeroDivisionError after the waiter
+    was queued, and every later request of every tenant failed on the phantom."""
+
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=1, max_queued=10, active_window_s=10.0)
+        holder = d.enqueue("a", 1.0)
+        with pytest.raises(ValueError, match="weight"):
+            d.enqueue("tiny", weight)
+        assert d.totals() == {"running": 1, "queued": 0} and "tiny" not in d.tenant_ids()
+        waiter = d.enqueue("b", 1.0)
+        holder.close()
+        assert waiter.dispatched
+        waiter.close()
+        assert d.totals() == {"running": 0, "queued": 0}
+
+    run(scenario())
+
+
+def test_the_slot_division_survives_weights_apart_beyond_float_precision() -> None:
+    """1.0 + 1e-17 == 1.0: subtracting the served weights from their total left 0 for the last
+    tenant, and the division by it raised. Summed from the back, each tenant's part is finite."""
+    caps = water_fill({"a": (1.0, 50), "tiny": (1e-17, 2), "b": (1000.0, 3)}, 16.0)
+    assert all(math.isfinite(c) and c >= 1.0 for c in caps.values())
+    assert sum(caps.values()) == pytest.approx(16.0 + 1.0)  # tiny's floor of one slot on top
+
+
+class InjectedFault(Exception):
+    pass
+
+
+class Faults:
+    """Makes the k-th call of any of the dispatcher's decisions raise: its clock, the new
+    waiter's future, the slot caps, the choice of the next grant, the queue-room check, the
+    engine priority. k counts over all of them, so k = 1, 2, ... hits every step in turn."""
+
+    DECISIONS = ("_caps", "_next_grant", "_loan_to_start", "_check_queue_room",
+                 "_engine_priority_of")  # fmt: skip
+
+    def __init__(self, d: FairDispatcher, fail_at: int) -> None:
+        self.calls = 0
+        self.fail_at = fail_at
+        self.fired: str | None = None
+        for name in self.DECISIONS:
+            setattr(d, name, self._wrap(name, getattr(d, name)))
+        d._clock = self._wrap("clock", d._clock)
+        loop = asyncio.get_running_loop()
+        loop.create_future = self._wrap("create_future", loop.create_future)  # type: ignore[method-assign]
+        self.armed = True
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kw: Any) -> Any:
+            if self.armed:
+                self.calls += 1
+                if self.calls == self.fail_at:
+                    self.fired = name
+                    raise InjectedFault(name)
+            return fn(*args, **kw)
+
+        return call
+
+
+def assert_consistent(d: FairDispatcher, tickets: list[Ticket]) -> None:
+    """The dispatcher's counts are exactly those of the tickets still open: no waiter without a
+    ticket, no slot without one, and every queued waiter can still be granted."""
+    open_tickets = [t for t in tickets if not t.closed]
+    running = [t for t in open_tickets if t.dispatched]
+    queued = [t for t in open_tickets if not t.dispatched]
+    assert d.totals() == {
+        "running": sum(t.sequences for t in running),
+        "queued": len(queued),
+    }
+    assert d._loaned == sum(t._waiter.loan for t in running)
+    for tid, queue in d._tenants.items():
+        mine = [t._waiter for t in queued if t.tenant_id == tid]
+        assert list(queue.waiting) == mine  # same waiters, in arrival order
+        assert queue.waiting_sequences == sum(w.sequences for w in mine)
+        assert all(not w.future.done() for w in mine)
+        assert queue.running == sum(t.sequences for t in running if t.tenant_id == tid)
+        assert queue.running_requests == sum(t.tenant_id == tid for t in running)
+
+
+def test_a_failure_at_any_step_leaves_the_queue_consistent() -> None:
+    """For k = 1, 2, ...: the k-th decision raises in the middle of a mixed workload (joins,
+    grants, wide requests on loan, cancellations, releases). After every operation the counts
+    match the open tickets; a failed enqueue left nothing behind; once the fault is gone, every
+    queued request is granted and closing everything leaves the dispatcher empty."""
+    now = [0.0]
+
+    def workload(d: FairDispatcher, tickets: list[Ticket]) -> None:
+        def enqueue(tenant: str, weight: float, sequences: int = 1) -> None:
+            with contextlib.suppress(InjectedFault, QueueFull):
+                tickets.append(d.enqueue(tenant, weight, cost=10.0 * sequences,
+                                         sequences=sequences))  # fmt: skip
+            assert_consistent(d, tickets)
+
+        def close(i: int) -> None:
+            with contextlib.suppress(InjectedFault):
+                tickets[i % len(tickets)].close()
+            assert_consistent(d, tickets)
+
+        for tenant, weight, sequences in [("a", 1.0, 1), ("a", 1.0, 2), ("b", 3.0, 1),
+                                          ("a", 1.0, 4), ("c", 0.5, 6), ("b", 3.0, 2)]:  # fmt: skip
+            enqueue(tenant, weight, sequences)
+        now[0] += 1.0
+        for i in (0, 2, 4):
+            close(i)
+        enqueue("c", 0.5, 1)
+        now[0] += 20.0  # past the window: reservations lapse
+        enqueue("d", 2.0, 6)
+        for i in range(len(tickets)):
+            close(i)
+
+    async def scenario(fail_at: int) -> str | None:
+        now[0] = 0.0
+        d = FairDispatcher(max_running=6, max_queued=5, active_window_s=10.0, clock=lambda: now[0])
+        faults = Faults(d, fail_at)
+        tickets: list[Ticket] = []
+        workload(d, tickets)
+        faults.armed = False
+        probe = d.enqueue("probe", 1.0)  # a change without faults: grants what may start
+        tickets.append(probe)
+        assert_consistent(d, tickets)
+        for t in tickets:
+            t.close()
+        assert_consistent(d, tickets)
+        assert d.totals() == {"running": 0, "queued": 0} and d._loaned == 0
+        return faults.fired
+
+    fired = []
+    for fail_at in itertools.count(1):
+        step = run(scenario(fail_at))
+        if step is None:  # the workload made fewer decisions than k: every step was hit
+            break
+        fired.append(step)
+    assert set(fired) == {"clock", "create_future", *Faults.DECISIONS}, set(fired)
+    assert len(fired) > 50
+
+
+def test_a_failure_while_granting_strands_no_waiter_and_the_next_change_grants_it() -> None:
+    """The release is written before the dispatch that follows it; if that dispatch fails, the
+    waiter stays queued with its ticket and the next change grants it."""
+
+    async def scenario() -> None:
+        d = FairDispatcher(max_running=1, max_queued=10, active_window_s=10.0)
+        holder = d.enqueue("a", 1.0)
+        waiter = d.enqueue("b", 1.0)
+        faults = Faults(d, fail_at=1)
+        with pytest.raises(InjectedFault):
+            holder.close()
+        assert holder.closed and not waiter.dispatched
+        assert_consistent(d, [holder, waiter])
+        faults.armed = False
+        other = d.enqueue("c", 1.0)
+        assert waiter.dispatched and not other.dispatched  # b's turn came first
+        for t in (waiter, other):
+            t.close()
+        assert d.totals() == {"running": 0, "queued": 0}
+
+    run(scenario())

@@ -319,3 +319,67 @@ def test_unauthorized_and_rate_limits_are_counted(server: LiveServer) -> None:
         r'tenant="unknown"\} [1-9]',
         text,
     )
+
+
+# --- issue 45: bounded settings, requests paid for up front ------------------------------------
+@pytest.mark.parametrize(
+    ("body", "param", "bound"),
+    [
+        ({"weight": 5e-324}, "weight", "0.001"),
+        ({"weight": 1e-17}, "weight", "0.001"),
+        ({"quotas": {"tokens_per_minute": 10**400}}, "quotas.tokens_per_minute", "10000000000"),
+    ],
+)
+def test_admin_api_refuses_weights_and_quotas_out_of_bounds(
+    server: LiveServer, body: dict[str, Any], param: str, bound: str
+) -> None:
+    """Finding 2: such a tenant was created (201), and then every completion of every tenant
+    was a 500. Now the admin API answers 400 naming the field and the bound, on create and on
+    change, and completions go on."""
+    created = admin(server, "POST", "/admin/v1/tenants", json={"id": "bounded", **body})
+    assert created.status_code == 400, created.text
+    assert error(created)["param"] == param and bound in error(created)["message"]
+    ok = admin(server, "POST", "/admin/v1/tenants", json={"id": "bounded"})
+    assert ok.status_code == 201, ok.text
+    try:
+        changed = admin(server, "PATCH", "/admin/v1/tenants/bounded", json=body)
+        assert changed.status_code == 400, changed.text
+        assert error(changed)["param"] == param and bound in error(changed)["message"]
+        assert admin(server, "GET", "/admin/v1/tenants/bounded").json()["weight"] == 1.0
+        assert call(server, ok.json()["api_key"], base_model(server)).status_code == 200
+        assert call(server, ACME_KEY, base_model(server)).status_code == 200
+    finally:
+        assert admin(server, "DELETE", "/admin/v1/tenants/bounded").status_code == 204
+
+
+def test_tokens_and_sequences_are_paid_for_at_admission(server: LiveServer) -> None:
+    """Finding 5: at 200 tokens a minute one request was served 6,431 tokens before any 429.
+    A request that reserves more than the quota holds is a 400 naming the bound; one that fits
+    is served, and the next is refused until the refill, having been charged up front."""
+    created = admin(
+        server,
+        "POST",
+        "/admin/v1/tenants",
+        json={"id": "metered", "quotas": {"tokens_per_minute": 200}},
+    )
+    assert created.status_code == 201, created.text
+    key, model = created.json()["api_key"], base_model(server)
+    try:
+        too_large = call(server, key, model, max_tokens=400, n=2, temperature=1.0)
+        assert too_large.status_code == 400, too_large.text
+        body = error(too_large)
+        assert (body["code"], body["param"]) == ("request_too_large", "max_tokens")
+        assert "tokens_per_minute (200)" in body["message"]
+        too_wide = call(server, key, model, n=3, temperature=1.0)  # max_running is 2
+        assert too_wide.status_code == 400 and error(too_wide)["param"] == "n"
+        assert "tenancy.max_running (2)" in error(too_wide)["message"]
+
+        served = call(server, key, model, max_tokens=150, ignore_eos=True)
+        assert served.status_code == 200, served.text
+        usage = served.json()["usage"]
+        refused = call(server, key, model, max_tokens=150, ignore_eos=True)
+        assert refused.status_code == 429, refused.text
+        assert error(refused)["code"] == "rate_limit_exceeded"
+        assert usage["total_tokens"] <= 200
+    finally:
+        assert admin(server, "DELETE", "/admin/v1/tenants/metered").status_code == 204

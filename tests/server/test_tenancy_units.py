@@ -6,6 +6,8 @@ The directory's durable store here is the registry's real LocalStore on a tempor
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,19 @@ from pydantic import SecretStr, ValidationError
 
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.server.metrics import GatewayMetrics
+from loraplex.server.routes.admin_tenants import CreateTenant, UpdateTenant
 from loraplex.server.tenancy.admission import Admission
 from loraplex.server.tenancy.directory import TenantDirectory
-from loraplex.server.tenancy.errors import QueueFull, RateLimited, TenantConflict, Unauthorized
+from loraplex.server.tenancy.errors import (
+    QueueFull,
+    RateLimited,
+    RequestTooLarge,
+    TenantConflict,
+    Unauthorized,
+)
 from loraplex.server.tenancy.keys import HashedKey, lookup_id, new_key
 from loraplex.server.tenancy.model import Tenant, TenantSource
-from loraplex.server.tenancy.quotas import QuotaGate, TokenBucket
+from loraplex.server.tenancy.quotas import Demand, QuotaGate, Reservation, TokenBucket
 from loraplex.server.tenancy.record import RequestRecord
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import Quotas, TenancySettings, TenantConfig
@@ -101,6 +110,83 @@ def test_duplicate_ids_and_shared_keys_are_refused() -> None:
         settings(tenants=[{"id": "a", "api_keys": [ACME_KEY]}, {"id": "b", "api_keys": [ACME_KEY]}])
 
 
+# Issue 45, finding 2: a weight of 5e-324 or 1e-17 turned every later completion into a 500, and
+# quotas of 10**400 overflowed the token bucket. Each enters through the config file, the admin
+# API or a stored record, and each is held to the same bounds there.
+OUT_OF_BOUNDS = [
+    ({"weight": 5e-324}, "weight", "greater than or equal to 0.001"),
+    ({"weight": 1e-17}, "weight", "greater than or equal to 0.001"),
+    ({"weight": float("nan")}, "weight", "finite number"),
+    ({"weight": float("inf")}, "weight", "finite number"),
+    ({"weight": 1000.5}, "weight", "less than or equal to 1000"),
+    ({"quotas": {"tokens_per_minute": 10**400}}, "tokens_per_minute", "10000000000"),
+    ({"quotas": {"requests_per_minute": 10**9}}, "requests_per_minute", "100000000"),
+    ({"quotas": {"max_concurrent": 10**7}}, "max_concurrent", "1000000"),
+]
+
+
+@pytest.mark.parametrize(("tenant", "field", "bound"), OUT_OF_BOUNDS)
+def test_tenant_weight_and_quotas_are_bounded_where_they_enter(
+    tenant: dict[str, object], field: str, bound: str
+) -> None:
+    for model, body in ((TenantConfig, {"id": "acme", **tenant}),
+                        (CreateTenant, {"id": "acme", **tenant}),
+                        (UpdateTenant, tenant)):  # fmt: skip
+        with pytest.raises(ValidationError) as e:
+            model.model_validate(body)
+        assert field in str(e.value) and bound in str(e.value), model
+    with pytest.raises(ValueError, match=bound):
+        Tenant.from_record({"id": "acme", **tenant})
+
+
+def test_bounds_admit_what_a_deployment_needs() -> None:
+    quotas = {"tokens_per_minute": 10**10, "requests_per_minute": 10**8, "max_concurrent": 10**6}
+    config = TenantConfig.model_validate({"id": "acme", "weight": 0.001, "quotas": quotas})
+    assert TenantConfig.model_validate({"id": "b", "weight": 1000}).weight == 1000
+    assert config.quotas.tokens_per_minute == 10**10
+
+
+@pytest.mark.parametrize(
+    ("tenancy", "field"),
+    [
+        ({"max_running": 65_537}, "max_running"),
+        ({"max_queued": 1_000_001}, "max_queued"),
+        ({"active_window_s": float("inf")}, "active_window_s"),
+        ({"active_window_s": float("nan")}, "active_window_s"),
+    ],
+)
+def test_tenancy_settings_are_bounded(tenancy: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        settings(**tenancy)
+    assert field in str(e.value)
+
+
+def test_a_stored_record_out_of_bounds_is_skipped_and_the_others_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record written by hand, or before the bounds existed, must neither poison the fair
+    queue nor stop every other tenant from loading."""
+
+    async def run() -> None:
+        store = LocalStore(tmp_path)
+        directory = TenantDirectory(settings(), TenantStore(store, "tenants/"), None)
+        _, good = await directory.create("initech", "", 1.0, Quotas())
+        evil_key = new_key()
+        evil = {"id": "evil", "weight": 5e-324, "keys": [HashedKey.of(evil_key).to_json()]}
+        store.put_bytes("tenants/evil.json", json.dumps(evil).encode())
+        store.put_bytes("tenants/junk.json", b"[not json")
+        await directory.load()
+        assert directory.authenticate(good).id == "initech"
+        with pytest.raises(Unauthorized):
+            directory.authenticate(evil_key)
+        assert [t.id for t in directory.tenants()] == ["initech"]
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(run())
+    assert "tenants/evil.json is invalid" in caplog.text and "0.001" in caplog.text
+    assert "tenants/junk.json is invalid" in caplog.text
+
+
 # --- namespaces --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "allowed"),
@@ -133,40 +219,59 @@ def test_global_adapters_can_be_unshared() -> None:
 
 
 # --- quotas ------------------------------------------------------------------------------------
+ONE = Demand(prompt_tokens=1)  # a one-token request of one sequence
+
+
+def try_take(bucket: TokenBucket) -> float:
+    """Take one unit if it is there (0.0), else the wait, as admission does: check, then take."""
+    wait = bucket.wait_for(1)
+    if not wait:
+        bucket.charge(1)
+    return wait
+
+
+NOTHING = Demand(prompt_tokens=0)  # a request that reserves no tokens, one sequence
+
+
+def admit(gate: QuotaGate, demand: Demand = NOTHING) -> Reservation:
+    reservation = gate.check(demand)
+    gate.take(reservation)
+    return reservation
+
+
 def test_token_bucket_refills_continuously_up_to_one_minute() -> None:
     clock = FakeClock()
     bucket = TokenBucket(60, clock)
-    assert all(bucket.try_take() == 0.0 for _ in range(60))
-    assert bucket.try_take() == pytest.approx(1.0)
+    assert all(try_take(bucket) == 0.0 for _ in range(60))
+    assert try_take(bucket) == pytest.approx(1.0)
     clock.now += 0.5
-    assert bucket.try_take() == pytest.approx(0.5)
+    assert try_take(bucket) == pytest.approx(0.5)
     clock.now += 3600
-    assert all(bucket.try_take() == 0.0 for _ in range(60))
-    assert bucket.try_take() > 0
+    assert all(try_take(bucket) == 0.0 for _ in range(60))
+    assert try_take(bucket) > 0
 
 
 def test_quota_gate_reasons_and_retry_after() -> None:
     clock = FakeClock()
     gate = QuotaGate(Quotas(max_concurrent=2, requests_per_minute=3, tokens_per_minute=600), clock)
-    gate.admit()
-    gate.admit()
+    first, second = admit(gate), admit(gate)
     with pytest.raises(RateLimited) as e:
-        gate.admit()
+        admit(gate)
     assert e.value.reason == "max_concurrent" and e.value.headers["Retry-After"] == "1"
-    gate.release(0)
-    gate.admit()
-    gate.release(0)
-    gate.release(0)
+    gate.release(first, 0)
+    third = admit(gate)
+    gate.release(second, 0)
+    gate.release(third, 0)
     with pytest.raises(RateLimited) as e:
-        gate.admit()
+        admit(gate)
     assert e.value.reason == "requests_per_minute"
     assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
     assert e.value.headers["Retry-After"] == "20"  # 1 request per 20 s
     clock.now += 20
-    gate.admit()
-    gate.release(1200)  # 600 tokens of debt: 60 s to repay at 10 tokens/s
+    # Used beyond its reservation (0 here): 600 tokens of debt, 60 s to repay at 10 tokens/s.
+    gate.release(admit(gate), 1200)
     with pytest.raises(RateLimited) as e:
-        gate.admit()
+        admit(gate)
     assert e.value.reason == "tokens_per_minute"
     assert int(e.value.headers["Retry-After"]) == 60
 
@@ -177,12 +282,12 @@ def test_changed_quotas_apply_without_losing_in_flight_count() -> None:
     acme = directory.authenticate(ACME_KEY)
 
     async def run() -> None:
-        first = admission.enter(acme)
+        first = admission.enter(acme, ONE)
         tighter = acme.__class__(**{**acme.__dict__, "quotas": Quotas(max_concurrent=1)})
         with pytest.raises(RateLimited):
-            admission.enter(tighter)
+            admission.enter(tighter, ONE)
         first.close(0)
-        admission.enter(tighter).close(0)
+        admission.enter(tighter, ONE).close(0)
 
     asyncio.run(run())
 
@@ -194,17 +299,17 @@ def test_queue_full_refuses_without_counting_against_quota() -> None:
     acme = acme.__class__(**{**acme.__dict__, "quotas": Quotas(requests_per_minute=3)})
 
     async def run() -> None:
-        running = admission.enter(acme)
-        queued = admission.enter(acme)
+        running = admission.enter(acme, ONE)
+        queued = admission.enter(acme, ONE)
         for _ in range(5):  # each refused for the queue, none for the request rate
             with pytest.raises(QueueFull) as e:
-                admission.enter(acme)
+                admission.enter(acme, ONE)
             assert e.value.status == 503
         running.close(0)
         queued.close(0)
-        admission.enter(acme).close(0)  # the third of the minute's three
+        admission.enter(acme, ONE).close(0)  # the third of the minute's three
         with pytest.raises(RateLimited):
-            admission.enter(acme)
+            admission.enter(acme, ONE)
 
     asyncio.run(run())
 
@@ -212,11 +317,10 @@ def test_queue_full_refuses_without_counting_against_quota() -> None:
 def test_a_quota_edit_keeps_token_debt() -> None:
     clock = FakeClock()
     gate = QuotaGate(Quotas(tokens_per_minute=600), clock)
-    gate.admit()
-    gate.release(1200)  # 600 tokens of debt: a minute at 600 per minute
+    gate.release(admit(gate), 1200)  # 600 tokens of debt: a minute at 600 per minute
     gate.set_quotas(Quotas(tokens_per_minute=1200))
     with pytest.raises(RateLimited) as e:
-        gate.admit()
+        admit(gate)
     assert e.value.retry_after == pytest.approx(30.0)  # 600 of debt at 1,200 per minute
 
 
@@ -352,9 +456,11 @@ def test_public_view_shows_no_secret() -> None:
 def test_a_request_that_never_reached_the_engine_is_charged_no_tokens() -> None:
     """A cold adapter whose download fails after admission (503), or a client gone while
     queued: the engine processed none of the prompt, so neither the quota nor the token
-    metrics count it. A request the engine took is charged its prompt and output."""
+    metrics count it (its whole reservation comes back). A request the engine took is charged
+    its prompt and output."""
+    # 2,000 a minute (was 1,000): the 1,510 tokens each request reserves up front must fit.
     config = settings(tenants=[{"id": "acme", "api_keys": [ACME_KEY],
-                                "quotas": {"tokens_per_minute": 1000}}])  # fmt: skip
+                                "quotas": {"tokens_per_minute": 2000}}])  # fmt: skip
     metrics = GatewayMetrics(CollectorRegistry(), adapter_label_top_k=0)
     tenancy = Tenancy(config, TenantDirectory(config, None, None), metrics)
     acme = tenancy.authenticate(ACME_KEY, None)
@@ -379,7 +485,129 @@ def test_a_request_that_never_reached_the_engine_is_charged_no_tokens() -> None:
         assert prompt_tokens() == 0
         finish(reached_engine=True)
         assert prompt_tokens() == 1500
-        with pytest.raises(RateLimited):  # 500 tokens of debt
-            tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=1, max_tokens=1)
+        with pytest.raises(RateLimited):  # 500 tokens left of 2,000: 601 do not fit
+            tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=1, max_tokens=600)
+
+    asyncio.run(run())
+
+
+# Issue 45, finding 5: `n` and max_tokens are paid for up front.
+def test_tokens_are_reserved_up_front_and_the_unused_part_comes_back() -> None:
+    """At 200 tokens a minute one request of n=16 was served 6,431 tokens before any 429: tokens
+    were charged only at the end. Now admission reserves prompt + n x max_tokens."""
+    clock = FakeClock()  # no refill during the test
+    gate = QuotaGate(Quotas(tokens_per_minute=200), clock)
+    first = admit(gate, Demand(10, n=2, max_tokens=50))  # 110 reserved, 90 left
+    with pytest.raises(RateLimited) as e:
+        admit(gate, Demand(10, n=1, max_tokens=81))  # 91 do not fit
+    assert e.value.reason == "tokens_per_minute" and "91 tokens" in e.value.message
+    second = admit(gate, Demand(10, n=1, max_tokens=80))  # 90 do
+    gate.release(first, 30)  # used 30 of its 110: 80 come back
+    gate.release(second, 90)
+    third = admit(gate, Demand(10, n=1, max_tokens=70))  # the 80 given back
+    with pytest.raises(RateLimited):
+        admit(gate, Demand(1))
+    gate.release(third, 0)  # never reached the engine: all of it comes back
+    admit(gate, Demand(10, n=1, max_tokens=70))
+
+
+def test_a_tenant_is_never_served_more_than_its_quota() -> None:
+    """A greedy tenant at 600 tokens a minute sends requests of n=4 that use every token they
+    may, retrying after each 429's Retry-After, for ten minutes: it is served at most the
+    bucket's minute plus ten minutes of refill."""
+    clock = FakeClock()
+    gate = QuotaGate(Quotas(tokens_per_minute=600), clock)
+    start, served = clock.now, 0
+    while clock.now - start < 600:
+        demand = Demand(20, n=4, max_tokens=45)  # 200 tokens
+        try:
+            reservation = admit(gate, demand)
+        except RateLimited as e:
+            clock.now += e.retry_after
+            continue
+        served += demand.tokens
+        clock.now += 1.0
+        gate.release(reservation, demand.tokens)
+    assert 600 * 10 <= served <= 600 + 600 * 10
+
+
+@pytest.mark.parametrize(
+    ("quotas", "demand", "param", "reason"),
+    [
+        ({"tokens_per_minute": 200}, Demand(10, n=16, max_tokens=400), "max_tokens",
+         "tokens_per_minute"),
+        ({"tokens_per_minute": 200}, Demand(300, n=1, max_tokens=1), None, "tokens_per_minute"),
+        ({"max_concurrent": 4}, Demand(1, n=5), "n", "max_concurrent"),
+        ({"requests_per_minute": 8}, Demand(1, n=9), "n", "requests_per_minute"),
+    ],
+)  # fmt: skip
+def test_a_request_no_wait_can_admit_is_400_naming_the_bound(
+    quotas: dict[str, int], demand: Demand, param: str | None, reason: str
+) -> None:
+    gate = QuotaGate(Quotas.model_validate(quotas), FakeClock())
+    with pytest.raises(RequestTooLarge) as e:
+        gate.check(demand)
+    limit = next(iter(quotas.values()))
+    assert (e.value.status, e.value.code, e.value.param) == (400, "request_too_large", param)
+    assert e.value.reason == reason and f"{reason} ({limit})" in e.value.message
+    assert "Retry-After" not in e.value.headers
+
+
+def test_n_counts_against_concurrency_and_the_request_rate() -> None:
+    clock = FakeClock()
+    gate = QuotaGate(Quotas(max_concurrent=4, requests_per_minute=8), clock)
+    wide = admit(gate, Demand(1, n=4))
+    with pytest.raises(RateLimited) as e:
+        admit(gate, Demand(1))
+    assert e.value.reason == "max_concurrent"
+    gate.release(wide, 4)
+    admit(gate, Demand(1, n=4))  # 8 sequences this minute
+    with pytest.raises(RateLimited) as e:
+        admit(gate, Demand(1))
+    assert e.value.reason == "max_concurrent"  # 4 still in flight
+    gate.in_flight = 0
+    with pytest.raises(RateLimited) as e:
+        admit(gate, Demand(1))
+    assert e.value.reason == "requests_per_minute"
+
+
+def test_n_over_max_running_is_400_and_counted_as_a_rejection() -> None:
+    config = settings(max_running=8, tenants=[{"id": "acme", "api_keys": [ACME_KEY]}])
+    metrics = GatewayMetrics(CollectorRegistry(), adapter_label_top_k=0)
+    tenancy = Tenancy(config, TenantDirectory(config, None, None), metrics)
+    acme = tenancy.authenticate(ACME_KEY, None)
+
+    async def run() -> None:
+        with pytest.raises(RequestTooLarge) as e:
+            tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=3, max_tokens=4, n=9)
+        assert e.value.param == "n" and "tenancy.max_running (8)" in e.value.message
+        tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=3, max_tokens=4,
+                      n=8).close()  # fmt: skip
+
+    asyncio.run(run())
+    assert (
+        metrics.registry.get_sample_value(
+            "loraplex_rejections_total", {"tenant": "acme", "reason": "max_running"}
+        )
+        == 1.0
+    )
+
+
+def test_a_failed_enqueue_takes_nothing_from_the_quotas() -> None:
+    """Quotas are checked, then the request queued, then the quotas taken: when the queue
+    refuses, the tenant's concurrency and token allowance are untouched."""
+    clock = FakeClock()  # no refill during the test
+    admission = Admission(settings(max_running=2, max_queued=0), clock)
+    acme = TenantDirectory(two_tenants(), None, None).authenticate(ACME_KEY)
+    quotas = Quotas(max_concurrent=3, tokens_per_minute=100)
+    acme = acme.__class__(**{**acme.__dict__, "quotas": quotas})
+
+    async def run() -> None:
+        running = admission.enter(acme, Demand(10, n=2, max_tokens=20))  # both slots, 50 tokens
+        with pytest.raises(QueueFull):  # it would have to wait, and nothing may
+            admission.enter(acme, Demand(10, n=1, max_tokens=40))
+        running.close(50)
+        admission.enter(acme, Demand(10, n=1, max_tokens=40)).close(0)  # 50 left, 3 sequences
+        admission.enter(acme, Demand(10, n=2, max_tokens=20)).close(0)
 
     asyncio.run(run())
