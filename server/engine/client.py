@@ -26,6 +26,7 @@ from loraplex.server.settings import EngineSettings
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
+    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -102,12 +103,18 @@ class EngineClient:
         adapter: ServableAdapter | None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """`cache_salt` keys the prompt's prefix-cache blocks: prompts of different salts share
+        none (the tenant's salt, `tenancy/cache_salt.py`)."""
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         lora = self.lora_request(adapter) if adapter else None
+        prompt: TokensPrompt = {"prompt_token_ids": prompt_token_ids}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
         stream = self._engine.generate(
-            {"prompt_token_ids": prompt_token_ids},
+            prompt,
             sampling_params,
             request_id,
             lora_request=lora,

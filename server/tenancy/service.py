@@ -4,8 +4,8 @@ Per request, in order: `authenticate` (401), then the route checks `tenant.may_u
 exactly like an unknown model), then `admit` (400 for a request no wait can admit, 429 quota, 503
 queue full, before any response byte; it reserves the request's n sequences and its prompt +
 n x max_tokens tokens), then `Admitted.turn` waits for the fair engine slot inside the response
-(the gateway leases the adapter only then), and `Admitted.generate` streams the engine's outputs,
-counting tokens into the request's record. Closing frees the
+(the gateway leases the adapter only then), and `Admitted.generate` streams the engine's outputs
+under the tenant's prefix-cache salt, counting tokens into the request's record. Closing frees the
 slots and settles the tenant's token quota with the tokens the engine processed, giving back the
 rest of the reservation (all of it for a request that failed or left before the engine).
 """
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission, Entry
+from loraplex.server.tenancy.cache_salt import CacheSalts
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.errors import QueueFull, RateLimited, RequestTooLarge, Unauthorized
 from loraplex.server.tenancy.model import Tenant
@@ -41,9 +42,10 @@ log = logging.getLogger(__name__)
 class Admitted:
     """One admitted request's engine access. `close` exactly once (idempotent) at the end."""
 
-    def __init__(self, entry: Entry, record: RequestRecord | None) -> None:
+    def __init__(self, entry: Entry, record: RequestRecord | None, cache_salt: str) -> None:
         self._entry = entry
         self._record = record
+        self._cache_salt = cache_salt
         self._granted = False
 
     async def turn(self) -> None:
@@ -64,13 +66,19 @@ class Admitted:
         adapter: ServableAdapter | None,
         request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Wait for the fair engine slot (`turn`), then stream the engine's outputs."""
+        """Wait for the fair engine slot (`turn`), then stream the engine's outputs (prefix
+        cache salted per tenant or sharing group)."""
         await self.turn()
         record = self._record
         if record is not None:
             record.reached_engine = True
         stream = engine.generate(
-            prompt_token_ids, params, adapter, request_id, priority=self._entry.engine_priority
+            prompt_token_ids,
+            params,
+            adapter,
+            request_id,
+            priority=self._entry.engine_priority,
+            cache_salt=self._cache_salt,
         )
         # The engine's generator aborts its request when closed: close it when we are closed.
         async with aclosing(cast("AsyncGenerator[RequestOutput, None]", stream)) as it:
@@ -94,6 +102,7 @@ class Tenancy:
         self.directory = directory
         self.metrics = metrics
         self.admission = Admission(settings)
+        self.cache_salts = CacheSalts(settings.share_prefix_cache)
 
     def queue_snapshot(self) -> dict[str, tuple[int, int]]:
         """`{tenant: (queued, running)}` for the queue gauges."""
@@ -130,7 +139,7 @@ class Tenancy:
         except (RequestTooLarge, RateLimited, QueueFull) as e:
             self.metrics.observe_rejection(tenant.id, e.reason)
             raise
-        return Admitted(entry, record)
+        return Admitted(entry, record, self.cache_salts.of(tenant.id))
 
     @contextlib.asynccontextmanager
     async def following_store(self, interval_s: float) -> AsyncIterator[None]:

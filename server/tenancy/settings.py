@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 # Lower-case ASCII only, so `Acme` and a Cyrillic `аcme` can never alias the tenant `acme`.
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 DEFAULT_TENANT_ID = "default"
+TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
+GroupName = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
 
 # Weights are relative shares: 1:10^6 between the lightest and the heaviest tenant is beyond any
 # tiering, and keeps the fair queue's arithmetic (finish tags of cost / weight, the weighted
@@ -132,6 +134,13 @@ class TenancySettings(BaseModel):
         "light tenant's prefill is then scheduled first, and a backlogged tenant's prefills are "
         "paced (engine.paced_prefill_tokens). False: vLLM's first come, first served.",
     )
+    share_prefix_cache: dict[GroupName, list[TenantId]] = Field(
+        default_factory=dict,
+        description="Groups of tenants that share vLLM's prefix cache, `{group: [tenant ids]}` "
+        "(tenants of the config file or the store). Every other tenant's requests carry a cache "
+        "salt of their own, so a prompt that matches another tenant's never reuses its cached "
+        "blocks, whose quicker first token would tell that the other tenant sent it.",
+    )
     adapter_label_top_k: int = Field(
         default=20,
         ge=0,
@@ -146,6 +155,22 @@ class TenancySettings(BaseModel):
         if not re.fullmatch(r"[A-Za-z0-9_./-]*/", prefix) or ".." in prefix:
             raise ValueError("store_prefix must be a relative path ending in '/' without '..'")
         return prefix
+
+    @field_validator("share_prefix_cache")
+    @classmethod
+    def _groups_apart(cls, groups: dict[str, list[str]]) -> dict[str, list[str]]:
+        group_of: dict[str, str] = {}
+        for name, members in groups.items():
+            if len(set(members)) < 2:
+                raise ValueError(f"group {name!r} must name at least two tenants to share with")
+            for tenant_id in members:
+                other = group_of.setdefault(tenant_id, name)
+                if other != name:
+                    raise ValueError(
+                        f"tenant {tenant_id!r} is in groups {other!r} and {name!r}; a tenant "
+                        "shares its prefix cache with one group at most"
+                    )
+        return groups
 
     @model_validator(mode="after")
     def _unique(self) -> TenancySettings:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,8 @@ CONFIG = {
             {"id": "globex", "display_name": "Globex Corp", "api_keys": [GLOBEX_KEY]},
             {"id": "limited", "api_keys": [LIMITED_KEY], "quotas": {"requests_per_minute": 2}},
         ],
+        # Tenants created through the admin API by the prefix-cache test.
+        "share_prefix_cache": {"partners": ["partner-a", "partner-b"]},
     },
 }
 
@@ -321,7 +324,7 @@ def test_unauthorized_and_rate_limits_are_counted(server: LiveServer) -> None:
     )
 
 
-# --- issue 45: bounded settings, requests paid for up front ------------------------------------
+# --- issue 45: bounded settings, requests paid for up front, per-tenant prefix cache ----------
 @pytest.mark.parametrize(
     ("body", "param", "bound"),
     [
@@ -383,3 +386,45 @@ def test_tokens_and_sequences_are_paid_for_at_admission(server: LiveServer) -> N
         assert usage["total_tokens"] <= 200
     finally:
         assert admin(server, "DELETE", "/admin/v1/tenants/metered").status_code == 204
+
+
+def _prefix_cache_use(server: LiveServer, key: str, prompt: list[int]) -> float:
+    """Prompt tokens vLLM's prefix cache served from cached blocks for one request (its own
+    `vllm:prefix_cache_hits` counter: deterministic, unlike timing)."""
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    hits_before, queries_before = _metric(server, hits), _metric(server, queries)
+    r = call(server, key, base_model(server), prompt=prompt, max_tokens=1)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: _metric(server, queries) - queries_before >= len(prompt), 30)
+    return _metric(server, hits) - hits_before
+
+
+def test_prefix_cache_is_shared_within_a_tenant_and_a_group_never_across(
+    server: LiveServer,
+) -> None:
+    """Finding 4: a prompt matching another tenant's hit its cached blocks (first token in 0.3 s
+    instead of 2.75 s). Every request now carries its tenant's cache salt: the same prompt of
+    600 tokens hits the cache on its tenant's second request and within the sharing group
+    `partners` (tenancy.share_prefix_cache), never from another tenant."""
+    partners = {}
+    for tenant in ("partner-a", "partner-b"):
+        r = admin(server, "POST", "/admin/v1/tenants", json={"id": tenant})
+        assert r.status_code == 201, r.text
+        partners[tenant] = r.json()["api_key"]
+    try:
+        nonce = [int(uuid.uuid4().int % 40000) + 1000 for _ in range(4)]
+        prompt = nonce + list(range(2000, 2596))  # earlier runs cached nothing of it
+        assert _prefix_cache_use(server, ACME_KEY, prompt) == 0
+        assert _prefix_cache_use(server, GLOBEX_KEY, prompt) == 0  # acme's blocks: not globex's
+        assert _prefix_cache_use(server, partners["partner-a"], prompt) == 0
+        assert _prefix_cache_use(server, ACME_KEY, prompt) >= len(prompt) // 2
+        assert _prefix_cache_use(server, partners["partner-b"], prompt) >= len(prompt) // 2
+        assert _prefix_cache_use(server, GLOBEX_KEY, prompt) >= len(prompt) // 2
+    finally:
+        for tenant in partners:
+            assert admin(server, "DELETE", f"/admin/v1/tenants/{tenant}").status_code == 204
+
+
+def test_a_client_cannot_set_the_cache_salt(server: LiveServer) -> None:
+    r = call(server, GLOBEX_KEY, base_model(server), cache_salt="acme")
+    assert r.status_code == 400 and error(r)["param"] == "cache_salt"

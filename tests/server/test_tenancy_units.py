@@ -9,15 +9,18 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr, ValidationError
 
 from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.server.engine.client import EngineClient
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.routes.admin_tenants import CreateTenant, UpdateTenant
 from loraplex.server.tenancy.admission import Admission
+from loraplex.server.tenancy.cache_salt import CacheSalts
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.errors import (
     QueueFull,
@@ -33,6 +36,7 @@ from loraplex.server.tenancy.record import RequestRecord
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import Quotas, TenancySettings, TenantConfig
 from loraplex.server.tenancy.store import TenantStore
+from tests.support.fake_engine_outputs import Tokenizer, output
 
 
 class FakeClock:
@@ -153,6 +157,9 @@ def test_bounds_admit_what_a_deployment_needs() -> None:
         ({"max_queued": 1_000_001}, "max_queued"),
         ({"active_window_s": float("inf")}, "active_window_s"),
         ({"active_window_s": float("nan")}, "active_window_s"),
+        ({"share_prefix_cache": {"p": ["acme"]}}, "at least two tenants"),
+        ({"share_prefix_cache": {"p": ["a", "b"], "q": ["b", "c"]}}, "groups 'p' and 'q'"),
+        ({"share_prefix_cache": {"p": ["a", "B"]}}, "share_prefix_cache.p.1"),
     ],
 )
 def test_tenancy_settings_are_bounded(tenancy: dict[str, object], field: str) -> None:
@@ -611,3 +618,50 @@ def test_a_failed_enqueue_takes_nothing_from_the_quotas() -> None:
         admission.enter(acme, Demand(10, n=2, max_tokens=20)).close(0)
 
     asyncio.run(run())
+
+
+# --- prefix-cache salts ------------------------------------------------------------------------
+def test_cache_salts_separate_tenants_and_join_a_sharing_group() -> None:
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+    salts = CacheSalts({"partners": ["acme", "globex"]})
+    assert salts.of("acme") == salts.of("globex")
+    distinct = {salts.of("acme"), salts.of("initech"), salts.of("hooli"), salts.of("partners")}
+    assert len(distinct) == 4
+    for salt in (salts.of("acme"), salts.of("initech")):
+        assert len(salt) == 64
+        validate_cache_salt(salt)  # what vLLM's own server accepts
+    # Drawn per process: another server (or anyone outside) cannot compute them.
+    assert CacheSalts({}).of("initech") != CacheSalts({}).of("initech")
+
+
+def test_every_engine_request_carries_its_tenants_salt() -> None:
+    config = settings(
+        tenants=[{"id": "acme", "api_keys": [ACME_KEY]}, {"id": "globex", "api_keys": [GLOBEX_KEY]},
+                 {"id": "initech", "api_keys": ["initech-key-0123456789abcdef"]}],
+        share_prefix_cache={"partners": ["acme", "initech"]},
+    )  # fmt: skip
+    tenancy = Tenancy(config, TenantDirectory(config, None, None),
+                      GatewayMetrics(CollectorRegistry(), adapter_label_top_k=0))  # fmt: skip
+    prompts: list[dict[str, Any]] = []
+
+    class Engine:
+        errored = False
+
+        async def generate(self, prompt: dict[str, Any], *_: Any, **__: Any) -> Any:
+            prompts.append(prompt)
+            yield output(last=True)
+
+    async def run() -> None:
+        engine = EngineClient(Engine(), Tokenizer(), 2048)  # type: ignore[arg-type]
+        for key in (ACME_KEY, GLOBEX_KEY, "initech-key-0123456789abcdef"):
+            admitted = tenancy.admit(tenancy.authenticate(key, None), None, model="m",
+                                     adapter=None, prompt_tokens=3, max_tokens=1)  # fmt: skip
+            async for _ in admitted.generate(engine, [1, 2, 3], None, None, "r"):  # type: ignore[arg-type]
+                pass
+            admitted.close()
+
+    asyncio.run(run())
+    acme, globex, initech = (p["cache_salt"] for p in prompts)
+    assert acme == initech != globex
+    assert all(p["prompt_token_ids"] == [1, 2, 3] for p in prompts)
