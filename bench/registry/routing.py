@@ -29,37 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import append_rows, stamp
-from loraplex.adapters_registry.base import ServableAdapter
+from bench.registry.stubs import StubEngine, write_tiny_model
 from loraplex.adapters_registry.catalog import Catalog, FileEntry, VersionRecord
 from loraplex.adapters_registry.lifecycle import build_registry
 from loraplex.adapters_registry.settings import RegistrySettings
-
-
-class StubEngine:
-    async def add_lora(self, adapter: ServableAdapter) -> None:
-        return None
-
-    async def remove_lora(self, engine_id: int) -> None:
-        return None
-
-    async def pin_lora(self, engine_id: int) -> None:
-        return None
-
-    async def list_loras(self) -> set[int]:
-        return set()
-
-
-def _write_tiny_model(folder: Path) -> Path:
-    import json
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"hidden_size": 32, "intermediate_size": 64}))
-    save_file({"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32), np.float16)},
-              str(folder / "model.safetensors"))  # fmt: skip
-    return folder
 
 
 def pcts(samples: list[float]) -> dict[str, float]:
@@ -74,7 +47,7 @@ def pcts(samples: list[float]) -> dict[str, float]:
 async def run(adapters: int, requests: int) -> dict[str, dict[str, float]]:
     work = Path(tempfile.mkdtemp(prefix="bench-routing-"))
     registry = await build_registry(
-        RegistrySettings(), StubEngine(), model_dir=_write_tiny_model(work / "model"),
+        RegistrySettings(), StubEngine(), model_dir=write_tiny_model(work / "model"),
         base_model_name="tiny", max_lora_rank=64, max_loras=4, max_cpu_loras=8,
         cache_root=work / "cache", metrics_registry=CollectorRegistry(),
     )  # fmt: skip
