@@ -105,6 +105,7 @@ class ManagedRegistry(AdapterRegistry):
             checked = await asyncio.to_thread(
                 validate_adapter, tmp, self.spec, max_lora_rank=self.max_lora_rank,
                 allowed_dtypes=set(self.settings.allowed_dtypes),
+                max_weight_abs=self.settings.max_weight_abs,
             )  # fmt: skip
             version, files = await asyncio.to_thread(digest_folder, tmp, ADAPTER_FILES)
             await asyncio.to_thread(publish_blobs, self.store, tmp, files)

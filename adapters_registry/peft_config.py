@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import regex
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
-from loraplex.adapters_registry.json_values import is_int, is_number
+from loraplex.adapters_registry.json_values import excerpt, is_int, is_number, parse_int
 
 CONFIG_FILE = "adapter_config.json"
 # Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
 _PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
+# PEFT writes configs of 1-3 KiB. Parsing holds the GIL throughout: 1 MiB of small JSON entries
+# took 94 ms on the 2-core machine, and an 80 MB config stalled every stream 4.5 s.
+MAX_CONFIG_BYTES = 256 * 1024
+# Parentheses a module-name pattern may nest: real ones nest 1-3 deep, and the `regex` package
+# compiles recursively (a pattern nested 500 deep raised RecursionError).
+MAX_PATTERN_DEPTH = 32
 # The matching time one adapter's module-name patterns (target_modules as a string, rank_pattern
 # keys) may take, together. Ordinary patterns take microseconds a name; one that backtracks
 # catastrophically grows with the name: `([\w.]|[\w.][\w.]|[\w.][\w.][\w.])*\d` took 19.6 s
@@ -29,18 +37,39 @@ _PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
 PATTERN_BUDGET_S = 5.0
 
 
+V = TypeVar("V", int, float)
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """What a valid config says about each module: `{"": default, **pattern}` maps."""
+
+    ranks: dict[str, int]  # r and rank_pattern
+    alphas: dict[str, float]  # lora_alpha and alpha_pattern
+    use_rslora: bool  # scale by alpha / sqrt(r) instead of alpha / r
+
+
 def invalid(reason: str, message: str, param: str) -> AdapterInvalid:
     return AdapterInvalid(message, param=param, reason=reason)
 
 
 def _load_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG_FILE
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise invalid(
+                "size", f"{CONFIG_FILE} is {size} bytes; at most {MAX_CONFIG_BYTES} are read",
+                CONFIG_FILE,
+            )  # fmt: skip
+        config = json.loads(path.read_bytes(), parse_int=parse_int)
     except FileNotFoundError as e:
         raise invalid("missing_config", f"{CONFIG_FILE} is missing", CONFIG_FILE) from e
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        # RecursionError: nesting deeper than the parser's stack ("[" x 200,000)
-        raise invalid("bad_config", f"{CONFIG_FILE} is not valid JSON: {e!r}", CONFIG_FILE) from e
+    except (ValueError, RecursionError) as e:
+        # UnicodeDecodeError and JSONDecodeError are ValueErrors; RecursionError: nesting deeper
+        # than the parser's stack ("[" x 200,000). The message says where, never what: the
+        # bytes may be any file's.
+        raise invalid("bad_config", f"{CONFIG_FILE} is not valid JSON: {e}", CONFIG_FILE) from e
     if not isinstance(config, dict):
         raise invalid("bad_config", f"{CONFIG_FILE} is not a JSON object", CONFIG_FILE)
     return config
@@ -62,15 +91,15 @@ def _check_features(config: dict[str, Any]) -> None:
     if config.get("bias", "none") != "none":
         raise invalid(
             "unsupported_feature",
-            f"{CONFIG_FILE}: bias is {config['bias']!r}; vLLM supports only 'none'",
+            f"{CONFIG_FILE}: bias is {excerpt(config['bias'])}; vLLM supports only 'none'",
             "bias",
         )
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
         raise invalid(
             "unsupported_feature",
-            f"{CONFIG_FILE}: init_lora_weights {init!r} modifies the base weights; convert the "
-            "adapter to a plain LoRA first",
+            f"{CONFIG_FILE}: init_lora_weights {excerpt(init)} modifies the base weights; "
+            "convert the adapter to a plain LoRA first",
             "init_lora_weights",
         )
 
@@ -78,7 +107,9 @@ def _check_features(config: dict[str, Any]) -> None:
 def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
     r = config.get("r")
     if not is_int(r) or r < 1:
-        raise invalid("bad_config", f"{CONFIG_FILE}: r must be a positive integer, got {r!r}", "r")
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: r must be a positive integer, got {excerpt(r)}", "r"
+        )
     if r > max_lora_rank:
         raise invalid("rank", f"rank r={r} exceeds max_lora_rank={max_lora_rank}", "r")
     pattern = config.get("rank_pattern") or {}
@@ -91,19 +122,26 @@ def _check_rank(config: dict[str, Any], max_lora_rank: int) -> dict[str, int]:
         if not is_int(value) or not 1 <= value <= max_lora_rank:
             raise invalid(
                 "rank",
-                f"rank_pattern[{key!r}]={value!r} must be an integer in 1..{max_lora_rank} "
-                "(max_lora_rank)",
+                f"rank_pattern[{excerpt(key)}]={excerpt(value)} must be an integer in "
+                f"1..{max_lora_rank} (max_lora_rank)",
                 "rank_pattern",
             )
     return {"": r, **pattern}
 
 
-def _check_alpha(config: dict[str, Any]) -> None:
-    """vLLM requires lora_alpha and scales by it (alpha / r): a number, as alpha_pattern's are."""
+def _check_alpha(config: dict[str, Any]) -> dict[str, float]:
+    """vLLM requires lora_alpha and scales by it (alpha / r): a number, as alpha_pattern's are,
+    and finite (JSON's 1e999 reads as infinity)."""
     alpha = config.get("lora_alpha")
     if not is_number(alpha):
         raise invalid(
-            "bad_config", f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}",
+            "bad_config", f"{CONFIG_FILE}: lora_alpha must be a number, got {excerpt(alpha)}",
+            "lora_alpha",
+        )  # fmt: skip
+    if not math.isfinite(alpha):
+        raise invalid(
+            "bad_config",
+            f"{CONFIG_FILE}: lora_alpha must be a finite number, got {excerpt(alpha)}",
             "lora_alpha",
         )  # fmt: skip
     pattern = config.get("alpha_pattern") or {}
@@ -112,7 +150,13 @@ def _check_alpha(config: dict[str, Any]) -> None:
             "bad_config", f"{CONFIG_FILE}: alpha_pattern must map patterns to numbers",
             "alpha_pattern",
         )  # fmt: skip
+    if not all(math.isfinite(v) for v in pattern.values()):
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: alpha_pattern must map patterns to finite numbers",
+            "alpha_pattern",
+        )  # fmt: skip
     _check_patterns(pattern, "alpha_pattern")
+    return {"": alpha, **pattern}
 
 
 def _check_patterns(patterns: dict[str, Any], param: str) -> None:
@@ -123,13 +167,46 @@ def _check_patterns(patterns: dict[str, Any], param: str) -> None:
 
 def _compile(pattern: object, what: str, param: str) -> regex.Pattern[str]:
     if not isinstance(pattern, str):
-        raise invalid("bad_config", f"{CONFIG_FILE}: {what} {pattern!r} is not a string", param)
+        raise invalid(
+            "bad_config", f"{CONFIG_FILE}: {what} {excerpt(pattern)} is not a string", param
+        )
+    depth = _nesting(pattern)
+    if depth > MAX_PATTERN_DEPTH:
+        raise invalid(
+            "bad_config",
+            f"{CONFIG_FILE}: {what} {excerpt(pattern)} nests groups {depth} deep; at most "
+            f"{MAX_PATTERN_DEPTH}",
+            param,
+        )
     try:
         return regex.compile(pattern)
-    except regex.error as e:
+    except (regex.error, RecursionError) as e:
         raise invalid(
-            "bad_config", f"{CONFIG_FILE}: {what} {pattern!r} is not a valid regex: {e}", param
+            "bad_config",
+            f"{CONFIG_FILE}: {what} {excerpt(pattern)} is not a valid regex: {excerpt(str(e))}",
+            param,
         ) from e
+
+
+def _nesting(pattern: str) -> int:
+    """How deep `pattern`'s parentheses nest (escaped ones and those in a set do not count)."""
+    depth = deepest = 0
+    escaped = in_set = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_set:
+            in_set = char != "]"
+        elif char == "[":
+            in_set = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+    return deepest
 
 
 class PatternClock:
@@ -161,7 +238,7 @@ class PatternClock:
             raise invalid(
                 "bad_config",
                 f"{CONFIG_FILE}: {what} took more than {self.budget_s} s in all to match the "
-                f"module names (at {name!r}): it backtracks too much",
+                f"module names (at {excerpt(name)}): it backtracks too much",
                 param,
             ) from e
         finally:
@@ -174,17 +251,22 @@ _BACKREFERENCE = regex.compile(r"\\[1-9]|\(\?P=|\\g<")
 
 
 def rank_for(ranks: dict[str, int], module: str, clock: PatternClock) -> int:
-    # vLLM's (and PEFT's) rule: the first pattern that is a '.'-bounded suffix of the name wins.
-    keys = tuple(key for key in ranks if key)
+    return pattern_value(ranks, module, clock, "rank_pattern")
+
+
+def pattern_value(values: dict[str, V], module: str, clock: PatternClock, param: str) -> V:
+    """`values[""]` unless a key of `values` (a `param` pattern) matches `module`. vLLM's (and
+    PEFT's) rule: the first pattern that is a '.'-bounded suffix of the name wins."""
+    keys = tuple(key for key in values if key)
     any_key, suffixes = _suffix_patterns(keys)
     if any_key is not None and not clock.matches(
-        any_key, module, f"rank_pattern keys {list(keys)!r}", "rank_pattern"
+        any_key, module, f"{param} keys {excerpt(list(keys))}", param
     ):
-        return ranks[""]
+        return values[""]
     for key, suffix in zip(keys, suffixes, strict=True):
-        if clock.matches(suffix, module, f"rank_pattern key {key!r}", "rank_pattern"):
-            return ranks[key]
-    return ranks[""]
+        if clock.matches(suffix, module, f"{param} key {excerpt(key)}", param):
+            return values[key]
+    return values[""]
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,11 +288,11 @@ def _suffix_patterns(
 
 def _check_target_regex(targets: str, spec: BaseModelSpec, clock: PatternClock) -> None:
     pattern = _compile(targets, "target_modules regex", "target_modules")
-    what = f"target_modules regex {targets!r}"
+    what = f"target_modules regex {excerpt(targets)}"
     if not any(clock.matches(pattern, m, what, "target_modules") for m in spec.linear):
         raise invalid(
             "target_modules",
-            f"target_modules regex {targets!r} matches no linear module of {spec.name}",
+            f"target_modules regex {excerpt(targets)} matches no linear module of {spec.name}",
             "target_modules",
         )
 
@@ -227,8 +309,8 @@ def _check_targets(config: dict[str, Any], spec: BaseModelSpec, clock: PatternCl
             if not isinstance(target, str) or not spec.matches_target(target):
                 raise invalid(
                     "target_modules",
-                    f"target module {target!r} is not a linear module of {spec.name} that can "
-                    "take LoRA (only decoder-layer linears can)",
+                    f"target module {excerpt(target)} is not a linear module of {spec.name} "
+                    "that can take LoRA (only decoder-layer linears can)",
                     "target_modules",
                 )
     elif targets is not None or not config.get("target_parameters"):
@@ -246,7 +328,7 @@ def _check_targets(config: dict[str, Any], spec: BaseModelSpec, clock: PatternCl
         if spec.moe is None or param.rsplit(".", 1)[-1] not in ("gate_up_proj", "down_proj"):
             raise invalid(
                 "target_modules",
-                f"target parameter {param!r}: {spec.name} has no fused MoE expert parameter "
+                f"target parameter {excerpt(param)}: {spec.name} has no fused MoE expert parameter "
                 "of that name (supported: experts.gate_up_proj, experts.down_proj)",
                 "target_parameters",
             )
@@ -254,16 +336,16 @@ def _check_targets(config: dict[str, Any], spec: BaseModelSpec, clock: PatternCl
 
 def check_config(
     folder: Path, spec: BaseModelSpec, max_lora_rank: int, clock: PatternClock
-) -> dict[str, int]:
-    """Validate the config; return the ranks: {"": r, **rank_pattern}."""
+) -> CheckedConfig:
+    """Validate the config; return its ranks and alphas."""
     config = _load_config(folder)
     if config.get("peft_type") != "LORA":
         raise invalid(
-            "not_lora", f"peft_type is {config.get('peft_type')!r}; only 'LORA' is served",
+            "not_lora", f"peft_type is {excerpt(config.get('peft_type'))}; only 'LORA' is served",
             "peft_type",
         )  # fmt: skip
     _check_features(config)
     ranks = _check_rank(config, max_lora_rank)
-    _check_alpha(config)
+    alphas = _check_alpha(config)
     _check_targets(config, spec, clock)
-    return ranks
+    return CheckedConfig(ranks, alphas, bool(config.get("use_rslora")))

@@ -59,6 +59,15 @@ class RegistrySettings(BaseModel):
     max_adapter_mib: int = Field(
         default=2048, ge=1, description="Largest adapter (config + weights) accepted, MiB."
     )
+    max_weight_abs: float = Field(
+        default=1000.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "Largest |weight| an adapter may hold as served (lora_B x lora_alpha/r): PEFT's "
+            "inits reach 4.7, trained LoRAs tens at most, fp16 overflows at 65504."
+        ),
+    )
     allowed_dtypes: list[SafetensorsDtype] = Field(
         default_factory=lambda: list(get_args(SafetensorsDtype)),
         description="safetensors dtypes an adapter's tensors may have.",

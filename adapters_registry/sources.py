@@ -3,16 +3,20 @@
 A source is `s3://bucket/prefix/` or a local directory holding PEFT's `adapter_config.json` and
 `adapter_model.safetensors`. Registration copies those two files into the registry's own store,
 content-addressed (`blobs/sha256/<hash>`), so a version stays immutable even if the source
-prefix is overwritten later. Everything here blocks and runs in worker threads.
+prefix is overwritten later. Copies stop at the size caps as they read, whatever size the
+source reported (a file can list as 0 bytes and read without end). Everything here blocks and
+runs in worker threads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
 from loraplex.adapters_registry.catalog import FileEntry, blob_key
 from loraplex.adapters_registry.local_store import LocalStore
+from loraplex.adapters_registry.peft_config import CONFIG_FILE, MAX_CONFIG_BYTES
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import (
     ObjectMissing,
@@ -20,7 +24,24 @@ from loraplex.adapters_registry.store import (
     StoreError,
     open_store,
 )
-from loraplex.adapters_registry.validation import ADAPTER_FILES, check_listing
+from loraplex.adapters_registry.validation import (
+    ADAPTER_FILES,
+    WEIGHTS_FILE,
+    check_listing,
+    too_large,
+)
+
+
+class _Budget:
+    """A transfer's progress callback that stops the copy once it passes `limit` bytes."""
+
+    def __init__(self, limit: int, refuse: Callable[[int], Exception]) -> None:
+        self.limit, self.moved, self._refuse = limit, 0, refuse
+
+    def __call__(self, moved: int) -> None:
+        self.moved += moved
+        if self.moved > self.limit:
+            raise self._refuse(self.moved)
 
 
 def open_source(source: str, settings: RegistrySettings) -> ObjectStore:
@@ -57,8 +78,8 @@ def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
         sizes = {k: store.size(k) if k in ADAPTER_FILES else 0 for k in top_level}
         max_bytes = settings.max_adapter_mib * 1024 * 1024
         check_listing(sizes, max_bytes)
-        for name in ADAPTER_FILES:
-            store.download(name, dest / name)
+        config_bytes = _copy(store, CONFIG_FILE, dest, min(MAX_CONFIG_BYTES, max_bytes), 0)
+        _copy(store, WEIGHTS_FILE, dest, max_bytes - config_bytes, config_bytes)
         # Again on the bytes that came: the source may have changed since it was listed.
         check_listing({name: (dest / name).stat().st_size for name in ADAPTER_FILES}, max_bytes)
     except ObjectMissing as e:
@@ -69,6 +90,21 @@ def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:
         raise AdapterInvalid(f"source {source}: {e}", param="source", reason="source") from e
     except StoreError as e:
         raise AdapterUnavailable(f"cannot read source {source}: {e}", param="source") from e
+
+
+def _copy(store: ObjectStore, name: str, dest: Path, limit: int, before: int) -> int:
+    """Copy `name` into `dest`, refused as it passes `limit` bytes; the bytes copied. `before`:
+    the adapter's bytes copied already, for the message."""
+    if name == CONFIG_FILE:
+        budget = _Budget(
+            limit, lambda n: too_large(CONFIG_FILE, n, limit, "MAX_CONFIG_BYTES", read=True)
+        )
+    else:
+        budget = _Budget(
+            limit, lambda n: too_large(WEIGHTS_FILE, before + n, before + limit, read=True)
+        )
+    store.download(name, dest / name, progress=budget)
+    return budget.moved
 
 
 def publish_blobs(store: ObjectStore, folder: Path, files: tuple[FileEntry, ...]) -> None:

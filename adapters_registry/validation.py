@@ -1,9 +1,10 @@
 """Checking an adapter against the served base model before anything serves it.
 
 vLLM accepts adapters that then silently serve (part of) the base model: a target module the
-model does not have is skipped, a tensor of the wrong shape fails only at load inside the engine.
-Here every field and every tensor is checked up front; the first problem raises AdapterInvalid
-naming the field or tensor, the bound, and a fixed `reason` label for metrics.
+model does not have is skipped, a tensor of the wrong shape fails only at load inside the engine,
+a NaN weight poisons the batches it joins. Here every field, every tensor's header and every
+value is checked up front; the first problem raises AdapterInvalid naming the field or tensor,
+the bound, and a fixed `reason` label for metrics.
 """
 
 from __future__ import annotations
@@ -12,19 +13,32 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
 from loraplex.adapters_registry.peft_config import (
     CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    CheckedConfig,
     PatternClock,
     check_config,
     invalid,
     rank_for,
 )
-from loraplex.adapters_registry.tensors import HeaderError, TensorInfo, read_header
+from loraplex.adapters_registry.tensors import (
+    MAX_NAME_CHARS,
+    HeaderError,
+    TensorInfo,
+    read_header,
+)
+from loraplex.adapters_registry.values import ServedTensor, check_values, served_scale
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# A header entry is a name (at most MAX_NAME_CHARS) and ~90 bytes of dtype, shape and offsets;
+# PEFT's __metadata__ is {"format": "pt"}.
+HEADER_BYTES_PER_TENSOR = MAX_NAME_CHARS + 256
+METADATA_BYTES = 64 * 1024
 _PREFIX = "base_model.model."
 
 
@@ -34,8 +48,19 @@ class ValidatedAdapter:
     modules: int
 
 
+def too_large(
+    file: str, size: int, limit: int, bound: str = "registry.max_adapter_mib", *, read: bool = False
+) -> AdapterInvalid:
+    """The refusal of an adapter past a size bound: `file` is `size` bytes, or with `read`,
+    its copy stopped after `size` bytes (a file can list as 0 bytes and read without end)."""
+    what = "adapter" if file == WEIGHTS_FILE else file
+    has = f"holds more than {limit} bytes (read {size})" if read else f"is {size} bytes"
+    return invalid("size", f"{what} {has}; {bound} allows at most {limit}", file)
+
+
 def check_listing(files: Mapping[str, int], max_bytes: int) -> None:
-    """Given the source's file names -> sizes, refuse missing, pickle-only or oversized adapters."""
+    """Given the source's file names -> sizes, refuse missing, pickle-only or oversized adapters
+    (the config past MAX_CONFIG_BYTES: it is parsed whole)."""
     if CONFIG_FILE not in files:
         raise invalid("missing_config", f"the source holds no {CONFIG_FILE}", CONFIG_FILE)
     if WEIGHTS_FILE not in files:
@@ -48,13 +73,11 @@ def check_listing(files: Mapping[str, int], max_bytes: int) -> None:
                 WEIGHTS_FILE,
             )
         raise invalid("missing_weights", f"the source holds no {WEIGHTS_FILE}", WEIGHTS_FILE)
+    if files[CONFIG_FILE] > MAX_CONFIG_BYTES:
+        raise too_large(CONFIG_FILE, files[CONFIG_FILE], MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES")
     size = files[CONFIG_FILE] + files[WEIGHTS_FILE]
     if size > max_bytes:
-        raise invalid(
-            "size",
-            f"adapter is {size} bytes; registry.max_adapter_mib allows at most {max_bytes}",
-            WEIGHTS_FILE,
-        )
+        raise too_large(WEIGHTS_FILE, size, max_bytes)
 
 
 def _split_tensor_name(name: str) -> tuple[str, str]:
@@ -71,6 +94,13 @@ def _split_tensor_name(name: str) -> tuple[str, str]:
         "tensor_name", f"tensor `{name}` is not a LoRA weight (base_model.model.<module>."
         "lora_A.weight or .lora_B.weight)", name,
     )  # fmt: skip
+
+
+def _pattern_name(module: str, spec: BaseModelSpec) -> str:
+    """The name rank_pattern and alpha_pattern are matched against: a fused expert LoRA's
+    parameter (`<group>.gate_up_proj`), else the module's own."""
+    fused = _fused_expert(module, spec)
+    return f"{fused[0]}.{fused[1]}" if fused is not None else module
 
 
 def _fused_expert(module: str, spec: BaseModelSpec) -> tuple[str, str] | None:
@@ -113,21 +143,23 @@ def _expected_shape(
 
 def _check_tensors(
     tensors: dict[str, TensorInfo],
-    ranks: dict[str, int],
+    config: CheckedConfig,
     spec: BaseModelSpec,
     dtypes: set[str],
     clock: PatternClock,
-) -> int:
+) -> list[ServedTensor]:
+    """Each tensor with the factor it is served at; raises on a name, dtype or shape."""
     if not tensors:
         raise invalid("missing_weights", f"{WEIGHTS_FILE} holds no tensors", WEIGHTS_FILE)
     sides: dict[str, set[str]] = {}
+    served = []
     for name, info in tensors.items():
         module, side = _split_tensor_name(name)
         if info.dtype not in dtypes:
             raise invalid(
                 "dtype", f"tensor `{name}` is {info.dtype}; allowed: {sorted(dtypes)}", name
             )
-        expected = _expected_shape(module, side, ranks, spec, clock)
+        expected = _expected_shape(module, side, config.ranks, spec, clock)
         if info.shape != expected:
             raise invalid(
                 "tensor_shape",
@@ -136,28 +168,44 @@ def _check_tensors(
                 name,
             )
         sides.setdefault(module, set()).add(side)
+        scale = served_scale(config, _pattern_name(module, spec), clock) if side == "B" else 1.0
+        served.append(ServedTensor(info, scale))
     for module, seen in sides.items():
         if seen != {"A", "B"}:
             missing = "B" if "A" in seen else "A"
             raise invalid("tensor_name", f"module `{module}` has no lora_{missing}", module)
-    return len(sides)
+    return served
 
 
 def validate_adapter(
-    folder: Path, spec: BaseModelSpec, *, max_lora_rank: int, allowed_dtypes: set[str]
+    folder: Path,
+    spec: BaseModelSpec,
+    *,
+    max_lora_rank: int,
+    allowed_dtypes: set[str],
+    max_weight_abs: float,
 ) -> ValidatedAdapter:
-    """Check `folder` (adapter_config.json + adapter_model.safetensors) against `spec`.
+    """Check `folder` (adapter_config.json + adapter_model.safetensors) against `spec`, every
+    weight within `max_weight_abs` as served (`values`).
 
-    Blocking (reads the header of the weights file). Raises AdapterInvalid; mutates nothing.
+    Blocking (reads the whole weights file once). Raises AdapterInvalid; mutates nothing.
     """
     clock = PatternClock()
-    ranks = check_config(folder, spec, max_lora_rank, clock)
+    config = check_config(folder, spec, max_lora_rank, clock)
     if not (folder / WEIGHTS_FILE).is_file():
         raise invalid("missing_weights", f"{WEIGHTS_FILE} is missing", WEIGHTS_FILE)
+    # Two factors for each module that can take LoRA, and each fused expert group's two pairs.
+    max_tensors = 2 * (len(spec.linear) + 2 * len(spec.expert_groups))
     try:
-        tensors = read_header(folder / WEIGHTS_FILE)
+        tensors = read_header(
+            folder / WEIGHTS_FILE,
+            max_tensors=max_tensors,
+            max_header_bytes=max_tensors * HEADER_BYTES_PER_TENSOR + METADATA_BYTES,
+        )
     except HeaderError as e:
         reason = "truncated" if "truncated" in str(e) else "bad_safetensors"
         raise invalid(reason, str(e), WEIGHTS_FILE) from e
-    modules = _check_tensors(tensors, ranks, spec, allowed_dtypes, clock)
-    return ValidatedAdapter(rank=max(ranks.values()), modules=modules)
+    served = _check_tensors(tensors, config, spec, allowed_dtypes, clock)
+    check_values(folder / WEIGHTS_FILE, served, max_weight_abs)
+    modules = len(served) // 2  # an A and a B each
+    return ValidatedAdapter(rank=max(config.ranks.values()), modules=modules)

@@ -41,7 +41,9 @@ class RegisterRequest(BaseModel):
     model_config = {"extra": "forbid"}  # `{"pin": true}` is an error, not an unpinned adapter
 
     name: str = Field(description="Adapter name, `adapter` or `tenant/adapter`.")
-    source: str = Field(description="s3://bucket/prefix/ or a local directory (PEFT files).")
+    source: str = Field(
+        max_length=4096, description="s3://bucket/prefix/ or a local directory (PEFT files)."
+    )  # PATH_MAX is 4096; S3 keys are at most 1024 bytes
     warm: bool = Field(default=False, description="Load it into the engine's CPU cache now.")
     pinned: bool = Field(default=False, description="Keep it in a GPU slot.")
 

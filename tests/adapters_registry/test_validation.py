@@ -36,7 +36,10 @@ def dense(dense_model: Path) -> BaseModelSpec:
 
 
 def check(folder: Path, spec: BaseModelSpec, max_rank: int = 16) -> None:
-    validate_adapter(folder, spec, max_lora_rank=max_rank, allowed_dtypes={"F16", "BF16", "F32"})
+    validate_adapter(
+        folder, spec, max_lora_rank=max_rank, allowed_dtypes={"F16", "BF16", "F32"},
+        max_weight_abs=RegistrySettings().max_weight_abs,
+    )  # fmt: skip
 
 
 def refused(folder: Path, spec: BaseModelSpec, reason: str, max_rank: int = 16) -> AdapterInvalid:
