@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +84,54 @@ def test_snapshot_then_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
             (tmp_path / key).unlink()  # a reader must not need the compacted events
     again = replay(store)
     assert again.names() == ["bot1", "bot2", "bot3"] and again.next_engine_id() == 4
+
+
+class _CountingS3Store(S3Store):
+    """The S3 store, counting the reads the catalog makes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gets = self.lists = 0
+
+    def get_bytes(self, key: str) -> bytes:
+        self.gets += 1
+        return super().get_bytes(key)
+
+    def list_keys(self, prefix: str, start_after: str = "", *, nested: bool = True) -> list[str]:
+        self.lists += 1
+        return super().list_keys(prefix, start_after, nested=nested)
+
+
+def test_a_poll_costs_one_get_until_the_log_grows(bucket: str, s3_endpoint: str) -> None:
+    settings = RegistrySettings(s3_endpoint_url=s3_endpoint)
+    writer = Catalog(S3Store(bucket, "polled", settings))
+    for i in range(1, 21):
+        append(writer, Catalog.register_event(record(f"bot{i}", f"{i:064x}", i), pinned=False))
+    store = _CountingS3Store(bucket, "polled", settings)
+    follower = replay(store)  # a start: the tail of 20 entries, read 8 at a time
+    assert follower.names() == writer.names() and follower.last_seq == 20
+    store.gets = store.lists = 0
+    assert follower.fetch_events() == [] and (store.gets, store.lists) == (1, 0)
+    for i in range(21, 24):
+        append(writer, Catalog.register_event(record(f"bot{i}", f"{i:064x}", i), pinned=False))
+    assert [seq for seq, _ in follower.fetch_events()] == [21, 22, 23]
+
+
+def test_the_log_is_read_up_to_its_first_gap(tmp_path: Path) -> None:
+    """An entry whose write has not landed yet hides the ones after it until it does."""
+    store = LocalStore(tmp_path)
+    events = {seq: Catalog.event("pin", "x", pinned=bool(seq % 2)) for seq in range(1, 7)}
+    for seq in (1, 2, 3, 5, 6):
+        store.put_bytes(catalog_module.log_key(seq), json.dumps(events[seq]).encode())
+    cat = Catalog(store)
+    read = cat.fetch_events()
+    assert [seq for seq, _ in read] == [1, 2, 3]
+    for seq, event in read:
+        cat.apply(seq, event)
+    store.put_bytes(catalog_module.log_key(4), json.dumps(events[4]).encode())
+    assert [(seq, e["id"]) for seq, e in cat.fetch_events()] == [
+        (seq, events[seq]["id"]) for seq in (4, 5, 6)
+    ]
 
 
 def test_two_writers_race_for_one_sequence_number(bucket: str, s3_endpoint: str) -> None:
