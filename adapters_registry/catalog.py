@@ -129,8 +129,16 @@ class Catalog:
         self._names: dict[str, NameEntry] = {}
         self._quarantined: dict[str, dict[str, Quarantine]] = {}  # name -> version -> why
         self._max_engine_id = 0
+        # What every poll's reconcile asks for, kept until the next change: rebuilding both from
+        # 10,000 names took 5.7 ms of the event loop a poll.
+        self._live_ids: frozenset[int] | None = None
+        self._pinned: tuple[VersionRecord, ...] | None = None
 
     # ---- reads (event loop, no I/O) ----
+
+    def __len__(self) -> int:
+        """How many names are registered."""
+        return len(self._names)
 
     def names(self) -> list[str]:
         return sorted(self._names)
@@ -185,13 +193,28 @@ class Catalog:
             )
         return versions[matches[0]]
 
-    def live_engine_ids(self) -> set[int]:
+    def live_engine_ids(self) -> frozenset[int]:
         """Engine ids of every version still reachable by a registered name."""
-        return {r.engine_id for n in self._names for r in self._versions.get(n, {}).values()}
+        if self._live_ids is None:
+            self._live_ids = frozenset(
+                r.engine_id for n in self._names for r in self._versions.get(n, {}).values()
+            )
+        return self._live_ids
+
+    def pinned_records(self) -> tuple[VersionRecord, ...]:
+        """The current version of every pinned name."""
+        if self._pinned is None:
+            self._pinned = tuple(
+                self._versions[name][entry.version]
+                for name, entry in self._names.items()
+                if entry.pinned
+            )
+        return self._pinned
 
     # ---- mutation (one task at a time) ----
 
     def apply(self, seq: int, event: dict[str, Any]) -> None:
+        self._live_ids = self._pinned = None
         op, name, at = event["op"], event["name"], float(event.get("at", 0.0))
         if op == "register":
             record = VersionRecord.from_json(event["record"])
@@ -257,6 +280,7 @@ class Catalog:
         return json.loads(self.store.get_bytes(keys[-1])) if keys else None
 
     def load_snapshot(self, snap: dict[str, Any]) -> None:
+        self._live_ids = self._pinned = None
         for d in snap["versions"]:
             record = VersionRecord.from_json(d)
             self._versions.setdefault(record.name, {})[record.version] = record

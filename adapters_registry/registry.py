@@ -227,7 +227,7 @@ class AdapterRegistry:
         self._publish_counts()
 
     def _publish_counts(self) -> None:
-        self.metrics.registered.set(len(self.catalog.names()))
+        self.metrics.registered.set(len(self.catalog))
         self.metrics.quarantined.set(len(self.catalog.quarantined_engine_ids()))
 
     async def _append(self, plan: Callable[[], dict[str, Any] | None]) -> None:
@@ -272,13 +272,11 @@ class AdapterRegistry:
         quarantined = self.quarantines.engine_ids()
         for engine_id in self.tiers.loaded_ids() & quarantined:
             self._start_retire(engine_id)
-        wanted: dict[int, VersionRecord] = {}
-        for name in self.catalog.names():
-            entry = self.catalog.entry(name)
-            if entry is not None and entry.pinned:
-                record = self.catalog.versions(name)[entry.version]
-                if record.engine_id not in quarantined:
-                    wanted[record.engine_id] = record
+        wanted = {
+            record.engine_id: record
+            for record in self.catalog.pinned_records()
+            if record.engine_id not in quarantined
+        }
         # Unpins first: a pinned name moved to a new version frees its old slot for the new one
         # (at once if no request is in flight on the old one; else when they end).
         for engine_id in wanted.keys() & self._unpins.keys():  # pinned again meanwhile

@@ -60,6 +60,29 @@ def test_register_move_rollback_delete_replay(tmp_path: Path) -> None:
     assert replay(store).next_engine_id() == 3  # ids are never handed out twice
 
 
+def test_pins_and_live_ids_follow_every_change(tmp_path: Path) -> None:
+    """Kept between changes (every poll asks), so each kind of change must renew them."""
+    cat = Catalog(LocalStore(tmp_path))
+    v1, v2 = "a" * 64, "b" * 64
+
+    def pinned() -> list[tuple[str, int]]:
+        return sorted((r.name, r.engine_id) for r in cat.pinned_records())
+
+    append(cat, Catalog.register_event(record("x", v1, 1), pinned=True))
+    append(cat, Catalog.register_event(record("y", v1, 2), pinned=False))
+    assert pinned() == [("x", 1)] and cat.live_engine_ids() == {1, 2} and len(cat) == 2
+    append(cat, Catalog.register_event(record("x", v2, 3), pinned=True))
+    assert pinned() == [("x", 3)] and cat.live_engine_ids() == {1, 2, 3}
+    append(cat, Catalog.event("pin", "y", pinned=True))
+    append(cat, Catalog.event("move", "x", version=v1, rollback=True))
+    assert pinned() == [("x", 1), ("y", 2)]
+    snap = cat.snapshot()
+    append(cat, Catalog.event("delete", "x"))
+    assert pinned() == [("y", 2)] and cat.live_engine_ids() == {2} and len(cat) == 1
+    cat.load_snapshot(snap)
+    assert pinned() == [("x", 1), ("y", 2)] and cat.live_engine_ids() == {1, 2, 3}
+
+
 def test_ambiguous_version_prefix(tmp_path: Path) -> None:
     cat = Catalog(LocalStore(tmp_path))
     append(cat, Catalog.register_event(record("bot", "abcdef12" + "0" * 56, 1), pinned=False))
