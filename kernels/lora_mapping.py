@@ -14,9 +14,10 @@ it waiting in `prepare_tensors`.
 
 Here the same tensors come from numpy on the host (the mapping's own home) and go to the
 device by pinned, non-blocking copies. Same values, `np.argsort(kind="stable")` ordering ties as
-the stable `torch.sort` does, with one change: the no-adapter id -1 sorts after the adapters
-and is not counted among them (`fill_kernel_meta`). tests/kernels/test_lora_mapping.py holds
-this to vLLM's own `prepare_tensors`.
+the stable `torch.sort` does, with two changes: the no-adapter id -1 sorts after the adapters
+and is not counted among them, and a step without adapters still writes its mapping
+(`fill_kernel_meta`). tests/kernels/test_lora_mapping.py holds this to vLLM's own
+`prepare_tensors`.
 """
 
 from __future__ import annotations
@@ -63,15 +64,21 @@ def fill_kernel_meta(meta: Any, slots: np.ndarray) -> None:
     kernels/moe_lora_configs.py). With -1 last and uncounted, the first entries are the
     adapters in every mode; tokens without one need no kernel. Without that setting the kernels
     walk all max_loras + 1 entries, in whatever order.
+
+    `token_lora_mapping` is written on every step, also on one without adapters, where vLLM
+    leaves the previous step's mapping in place: vLLM's kernels walk `active_lora_ids` (reset to
+    -1 every step), ours read each token's slot from the mapping (the naive MoE form, the dense
+    GEMVs, `moe_lora_sum`), so a kernel of ours that still ran on such a step (a CUDA graph
+    captured with adapters) gave a base-model token the adapter its position held a step earlier.
     """
     meta._reset()
+    _to_device(meta.token_lora_mapping, slots)
     no_lora = bool((slots == -1).all())
     meta.no_lora_flag_cpu[0] = no_lora
     if no_lora:
         return
     last = np.iinfo(np.int64).max  # the sort key of "no adapter": after every slot
     keys = np.where(slots < 0, last, slots)
-    _to_device(meta.token_lora_mapping, slots)
     _to_device(meta.token_indices_sorted_by_lora_ids, np.argsort(keys, kind="stable"))
     sorted_keys, counts = np.unique(keys, return_counts=True)
     _to_device(meta.active_lora_ids, np.where(sorted_keys == last, -1, sorted_keys))

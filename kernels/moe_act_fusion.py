@@ -10,8 +10,9 @@ and read again.
 
 Everything else goes the stock way: subclasses of TritonExperts (their `apply` may differ),
 vLLM's dual-stream option (it asks for the delta alone, add_inputs=False), expert parallelism,
-swapped slices, calls our op declines (vLLM's kernel then adds as before), and activations other
-than plain SiLU, before which the deferred expand is launched unfused.
+swapped slices, steps without adapters (`_batch_has_adapters`), calls our op declines (vLLM's
+kernel then adds as before), and activations other than plain SiLU, before which the deferred
+expand is launched unfused.
 
 At prefill sizes and in CUDA graphs both LoRAs run on a side stream beside the base GEMMs
 (`moe_lora_side_stream`): the gate/up LoRA's routing and shrink from `apply`'s entry, which
@@ -51,6 +52,13 @@ INPUTS_READY = "_loraplex_inputs_ready"
 GATE_UP_SIDE = "_loraplex_gate_up_side"
 
 
+def _batch_has_adapters(lora_context: Any) -> bool:
+    """Whether a token of this step is on an adapter (vLLM's no-LoRA flag, a CPU tensor). On a
+    step without, vLLM's LoRA calls return before their kernels, so the step goes vLLM's way:
+    a down LoRA beside the GEMM would leave its delta unwritten, and `moe_sum` add it."""
+    return not bool(lora_context.punica_wrapper.token_mapping_meta.no_lora_flag_cpu[0])
+
+
 def _join_gate_up_side(experts: Any) -> None:
     side: SideGateUp | None = experts.__dict__.pop(GATE_UP_SIDE, None)
     if side is not None:
@@ -85,7 +93,7 @@ def fused_methods(
         call = {"add_inputs": add_inputs, "swap_w13_slices": swap_w13_slices,
                 "expert_map": expert_map, **kwargs}  # fmt: skip
         stock_flow = type(self) is not experts_cls or swap_w13_slices or expert_map is not None
-        if stock_flow or not add_inputs:
+        if stock_flow or not add_inputs or not _batch_has_adapters(lora_context):
             return apply_w13_lora(self, lora_context, **call)
         with (
             gate_up_beside(inputs, lora_context, kwargs["x"]) as (side, guard),

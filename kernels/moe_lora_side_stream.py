@@ -27,10 +27,10 @@ latency, so they overlap well: on the H200, 16 requests decoding with 8 adapters
 and 64.91 to 67.04 tok/s per request (base 75.72; bench_e2e.py, one machine, medians of 3).
 Kernels that only the side stream launches at decode sizes (the down LoRA into its delta,
 `moe_sum_with_delta`) compile during that capture, at startup, not while serving.
-Run eagerly, only from SIDE_MIN_PAIRS (token, expert) pairs on. Never with an expert map
-(`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream option or fully sharded
-LoRA; those keep vLLM's order. Without CUDA (the CPU tests) the same steps run in order on the
-current stream.
+Run eagerly, only from SIDE_MIN_PAIRS (token, expert) pairs on. Never with an expert map or on
+a step without adapters (`moe_act_fusion` marks nothing ready then), vLLM's own dual-stream
+option or fully sharded LoRA; those keep vLLM's order. Without CUDA (the CPU tests) the same
+steps run in order on the current stream.
 """
 
 from __future__ import annotations

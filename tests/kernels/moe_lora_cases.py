@@ -77,8 +77,12 @@ def _topk_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
     return torch.multinomial(p, case.top_k, replacement=False, generator=gen).to(torch.int32)
 
 
-def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict[str, Any]:
-    """Random inputs for one call, scaled so that the LoRA delta is O(1) like the output."""
+def make_inputs(
+    case: Case, dtype: torch.dtype, device: str, seed: int, remap: dict[int, int] | None = None
+) -> dict[str, Any]:
+    """Random inputs for one call, scaled so that the LoRA delta is O(1) like the output.
+    `remap` moves the tokens of a slot to another (or to -1) after the draw: the same call with
+    every value but the mapping and the routing built from it unchanged."""
     gen = torch.Generator().manual_seed(seed)
     rows = case.tokens * case.top_k if case.mul_routed_weight else case.tokens
     num_slots = case.adapters
@@ -89,6 +93,8 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int) -> dict[
         b.append(torch.randn(b[0].shape, generator=gen) / case.rank**0.5)
     tlm = _slots(case, gen)
     topk_ids = _topk_ids(case, gen)
+    for slot, to in (remap or {}).items():
+        tlm = torch.where(tlm == slot, to, tlm).to(torch.int32)
     enabled = torch.ones(num_slots + 1, dtype=torch.int32)
     if case.disabled_slot:
         enabled[0] = 0

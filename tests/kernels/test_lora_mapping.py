@@ -57,7 +57,8 @@ def test_kernel_meta_is_vllms_with_no_adapter_last_and_uncounted(
     fill_kernel_meta(ours, slots)
     no_lora = name == "no adapter"
     assert bool(ours.no_lora_flag_cpu) == no_lora
-    if no_lora:  # vLLM leaves the device fields alone then; so do we
+    if no_lora:  # vLLM leaves the device fields alone then; we write the mapping alone
+        assert (ours.token_lora_mapping[: len(slots)] == -1).all()
         return
     theirs.prepare_tensors(torch.from_numpy(np.where(slots < 0, MAX_LORAS, slots)))
     n = len(slots)
@@ -89,6 +90,21 @@ def test_the_counted_entries_hold_every_adapter_under_the_graph_vllm_picks(name:
     assert count == graph
     walked = set(meta.active_lora_ids[:count].tolist())
     assert walked - {-1} == adapters
+
+
+def test_a_step_without_adapters_maps_every_token_to_none() -> None:
+    """vLLM's prepare_tensors leaves the previous step's mapping on a step without adapters; ours
+    is rewritten, since our kernels read each token's slot from it: a kernel still running then
+    (a CUDA graph captured with adapters, the down LoRA's delta summed beside the GEMM) gave a
+    base-model token the adapter its position held a step earlier."""
+    meta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu")
+    token_ids, _ = batches()["prefill runs"]
+    fill_kernel_meta(meta, slots_of(token_ids, LORA_INDEX_TO_ID))
+    n = len(token_ids)
+    assert (meta.token_lora_mapping[:n] >= 0).any()
+    fill_kernel_meta(meta, np.full(n, -1))
+    assert bool(meta.no_lora_flag_cpu)
+    assert meta.token_lora_mapping[:n].tolist() == [-1] * n
 
 
 def convert_mapping_spec(token_ids: list[int], prompt_ids: list[int]) -> dict[str, list]:
@@ -128,8 +144,7 @@ def test_update_metadata_fills_vllms_buffers_as_convert_mapping_does(name: str) 
     assert wrapper._sampler_indices[:p].tolist() == spec["sampler"]
     assert wrapper._sampler_indices_padded[:p].tolist() == spec["padded"]
     assert wrapper._embeddings_indices[:, :n].tolist() == spec["embeddings"]
-    if name != "no adapter":  # else vLLM leaves the kernel meta's device fields as they were
-        assert wrapper.token_mapping_meta.token_lora_mapping[:n].tolist() == spec["base"]
+    assert wrapper.token_mapping_meta.token_lora_mapping[:n].tolist() == spec["base"]
 
 
 def test_an_id_in_no_slot_is_refused_by_name() -> None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from moe_lora_cases import Case, make_inputs
+from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
 
 from loraplex.kernels import moe_lora_side_stream
+from loraplex.kernels.lora_mapping import fill_kernel_meta
 from loraplex.kernels.moe_act_fusion import GATE_UP_SIDE, PENDING, install
 from loraplex.kernels.moe_lora_configs import MoeLoraConfig
 from loraplex.kernels.moe_lora_op import fused_moe_lora
@@ -41,12 +44,19 @@ class QuantConfig:
 
 @dataclasses.dataclass
 class LoraContext:
-    """The fields of vLLM's MoELoRAContext that the methods read."""
+    """The fields of vLLM's MoELoRAContext that the methods read; the punica wrapper holds only
+    the step's LoRA metadata (vLLM's LoRAKernelMeta, filled as the plugin fills it)."""
 
     adapter_enabled: torch.Tensor
     max_loras: int
+    punica_wrapper: Any
     fully_sharded: bool = False
     aux_stream: Any = None
+
+    def no_adapter(self) -> bool:
+        """The step has no token on an adapter: vLLM's LoRA calls then return before any kernel
+        (PunicaWrapperGPU.add_lora_fused_moe reads this flag)."""
+        return bool(self.punica_wrapper.token_mapping_meta.no_lora_flag_cpu[0])
 
 
 class StockExperts:
@@ -73,12 +83,13 @@ class StockExperts:
 
     def apply_w13_lora(self, lora_context: Any, *, y: torch.Tensor, add_inputs: bool,
                        **kwargs: Any) -> tuple[Any, ...]:  # fmt: skip
-        del lora_context, kwargs
+        del kwargs
         self.w13_streams.append(torch.cuda.current_stream() if y.is_cuda else None)
         if y.is_cuda and self.w13_sleep_cycles:
             torch.cuda._sleep(self.w13_sleep_cycles)  # an activation that did not wait: junk
-        fused_moe_lora(y, **self.w13_args, shrink_block_size_m=16, config=self.w13_config,
-                       add_inputs=add_inputs)  # fmt: skip
+        if not lora_context.no_adapter():
+            fused_moe_lora(y, **self.w13_args, shrink_block_size_m=16, config=self.w13_config,
+                           add_inputs=add_inputs)  # fmt: skip
         args = self.w13_args
         return (args["sorted_token_ids"], args["expert_ids"], args["num_tokens_post_padded"],
                 args["token_lora_mapping"])  # fmt: skip
@@ -104,6 +115,8 @@ class StockExperts:
         if y.is_cuda:
             self.down_streams.append(torch.cuda.current_stream())
             torch.cuda._sleep(50_000_000)  # ~25 ms: a moe_sum that did not wait would see NaN
+        if lora_context.no_adapter():
+            return
         args = self.w13_args
         fused_moe_lora(
             y, x, [self.w2_weights[0]], [self.w2_weights[1]], topk_weights,
@@ -144,40 +157,57 @@ def _apply(
     cls: type[StockExperts], kind: Act, add_inputs: bool = True, clamp: float | None = None,
     device: str = "cpu", dtype: torch.dtype = torch.float32, gemm_sleep_cycles: int = 0,
     configure: Callable[[StockExperts], None] = lambda experts: None, seed: int = 7,
-    graph: bool = False, **context: Any,
+    graph: bool = False, meta: LoRAKernelMeta | None = None, case: Case = CASE,
+    poison: float | None = None, **context: Any,
 ) -> Applied:  # fmt: skip
     """The LoRA parts of TritonExperts.apply in its order, with the base GEMMs' outputs random;
     on a GPU the base gate/up GEMM writes its buffer after `gemm_sleep_cycles`. With `graph`
     (a GPU) `apply` is captured in a CUDA graph, as vLLM captures its decode batches, and the
-    graph replayed once."""
-    args = make_inputs(CASE, dtype, device, seed=seed)
-    buffer = args.pop("output")[..., : 2 * CASE.n].contiguous()
+    graph replayed once.
+
+    `meta` is the step's LoRA metadata, kept across steps as vLLM keeps it: filled from the
+    case's mapping (`lora_mapping.fill_kernel_meta`), and the mapping the routing hands on is
+    its view, as vLLM's align returns it. `poison` is written over slot 0's weights, both
+    calls, A and B (e.g. NaN); the spec then leaves slot 0's tokens out of the errors."""
+    args = make_inputs(case, dtype, device, seed=seed)
+    buffer = args.pop("output")[..., : 2 * case.n].contiguous()
     gen = torch.Generator().manual_seed(seed + 1)
-    a2 = torch.randn(CASE.adapters, CASE.experts, CASE.rank, CASE.n, generator=gen) / CASE.n**0.5
-    b2 = torch.randn(CASE.adapters, CASE.experts, HIDDEN, CASE.rank, generator=gen) / CASE.rank**0.5
-    down_base = torch.randn(CASE.tokens, CASE.top_k, HIDDEN, generator=gen)
+    a2 = torch.randn(case.adapters, case.experts, case.rank, case.n, generator=gen) / case.n**0.5
+    b2 = torch.randn(case.adapters, case.experts, HIDDEN, case.rank, generator=gen) / case.rank**0.5
+    down_base = torch.randn(case.tokens, case.top_k, HIDDEN, generator=gen)
     a2, b2, down_base = (t.to(device, dtype) for t in (a2, b2, down_base))
+    step_tlm = args["token_lora_mapping"]
+    if meta is None:
+        meta = LoRAKernelMeta.make(case.adapters, case.tokens, device)
+    fill_kernel_meta(meta, step_tlm.cpu().numpy())
+    args["token_lora_mapping"] = meta.token_lora_mapping[: case.tokens]
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    cpu["lora_a_stacked"] = [t.cpu() for t in args["lora_a_stacked"]]
-    cpu["lora_b_stacked"] = [t.cpu() for t in args["lora_b_stacked"]]
+    cpu["token_lora_mapping"] = step_tlm.cpu()
+    cpu["lora_a_stacked"] = [t.cpu().clone() for t in args["lora_a_stacked"]]
+    cpu["lora_b_stacked"] = [t.cpu().clone() for t in args["lora_b_stacked"]]
+    a2_cpu, b2_cpu = a2.cpu().double(), b2.cpu().double()
+    if poison is not None:
+        for t in (*args["lora_a_stacked"], *args["lora_b_stacked"], a2, b2):
+            t[0] = poison
     updated = buffer.double().cpu()
     if add_inputs:
         fused_moe_lora_reference(updated, **cpu, block_size=16)
-    gate, up = updated.view(-1, 2 * CASE.n).chunk(2, dim=1)
+    gate, up = updated.view(-1, 2 * case.n).chunk(2, dim=1)
     act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
     want_act = act(gate) * up
 
     experts = cls(args, (a2, b2))
     experts.quant_config.gemm1_clamp_limit = clamp
     configure(experts)
-    lora_context = LoraContext(args["adapter_enabled"], CASE.adapters, **context)
-    w2 = torch.empty(CASE.experts, HIDDEN, CASE.n, device=device)  # only its shape is read
-    shared = {"topk_weights": args["topk_weights"], "num_tokens": CASE.tokens, "w1": None,
-              "w2": w2, "top_k_num": CASE.top_k}  # fmt: skip
+    punica = SimpleNamespace(token_mapping_meta=meta)
+    lora_context = LoraContext(args["adapter_enabled"], case.adapters, punica, **context)
+    w2 = torch.empty(case.experts, HIDDEN, case.n, device=device)  # only its shape is read
+    shared = {"topk_weights": args["topk_weights"], "num_tokens": case.tokens, "w1": None,
+              "w2": w2, "top_k_num": case.top_k}  # fmt: skip
     gemm_output = buffer.clone()
-    act_out = torch.empty(buffer.shape[0] * buffer.shape[1], CASE.n, device=device, dtype=dtype)
+    act_out = torch.empty(buffer.shape[0] * buffer.shape[1], case.n, device=device, dtype=dtype)
     down = down_base.clone()
-    out = torch.full((CASE.tokens, HIDDEN), 777.0, device=device, dtype=dtype)
+    out = torch.full((case.tokens, HIDDEN), 777.0, device=device, dtype=dtype)
 
     def flow() -> None:
         buffer.fill_(float("nan"))  # until the base gate/up GEMM writes it
@@ -190,7 +220,7 @@ def _apply(
             expert_map=None, add_inputs=add_inputs, **shared,
         )  # fmt: skip
         assert routing[3] is args["token_lora_mapping"]
-        experts.activation(kind, act_out, buffer.view(-1, 2 * CASE.n))
+        experts.activation(kind, act_out, buffer.view(-1, 2 * case.n))
         assert PENDING not in experts.__dict__
         assert GATE_UP_SIDE not in experts.__dict__
         names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
@@ -214,19 +244,23 @@ def _apply(
     else:
         apply()
 
+    # Tokens on a poisoned slot are left out; the others must match the spec of clean weights.
+    kept = step_tlm.cpu() != 0 if poison is not None else torch.ones(case.tokens, dtype=torch.bool)
+    kept_pairs = kept.repeat_interleave(case.top_k)
     want_down = down_base.double().cpu()
     fused_moe_lora_reference(
-        want_down, act_out.double().cpu(), [a2.double().cpu()], [b2.double().cpu()],
+        want_down, act_out.double().cpu(), [a2_cpu], [b2_cpu],
         cpu["topk_weights"], cpu["sorted_token_ids"], cpu["expert_ids"],
-        cpu["num_tokens_post_padded"], cpu["token_lora_mapping"], CASE.rank, CASE.top_k,
+        cpu["num_tokens_post_padded"], cpu["token_lora_mapping"], case.rank, case.top_k,
         cpu["lora_ids"], cpu["num_active_loras"], cpu["adapter_enabled"], block_size=16,
         mul_routed_weight=True,
     )  # fmt: skip
-    want_sum = want_down.sum(dim=1)
+    want_sum = want_down.sum(dim=1)[kept]
+    want_act = want_act[kept_pairs]
     return Applied(
         experts,
-        float((act_out.double().cpu() - want_act).norm() / want_act.norm()),
-        float((out.double().cpu() - want_sum).norm() / want_sum.norm()),
+        float((act_out.double().cpu()[kept_pairs] - want_act).norm() / want_act.norm()),
+        float((out.double().cpu()[kept] - want_sum).norm() / want_sum.norm()),
         down,
     )
 
@@ -287,6 +321,30 @@ def test_prefill_sized_down_lora_runs_beside_and_moe_sum_adds_it(
     assert applied.experts.down_calls[0][1] is not applied.down_buffer
     assert applied.act_error < 1e-5
     assert applied.sum_error < 1e-5
+
+
+# A step with tokens on slot 0, on other slots and on none; then one of base-model tokens only.
+MIXED = dataclasses.replace(CASE, tokens=12)
+NO_ADAPTER = dataclasses.replace(MIXED, no_adapter=1.0)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e30], ids=["nan", "huge"])
+def test_beside_a_poisoned_adapter_and_in_a_step_without_adapters_after_it_others_keep_theirs(
+    classes: Any, side_at_any_size: None, poison: float
+) -> None:
+    """Slot 0's weights NaN (or 1e30): the other tokens' activation and sum keep the spec of
+    clean weights, in that step and in the next one, which has no adapter at all. There vLLM's
+    LoRA calls return before any kernel (its no-LoRA flag), so no delta may go beside the GEMM:
+    the one `moe_sum` added was never written (the stand-in poisons it with NaN), and a base
+    token whose position held slot 0's token a step earlier read it through the stale mapping."""
+    meta = LoRAKernelMeta.make(MIXED.adapters, MIXED.tokens, "cpu")
+    poisoned = _apply(classes[0], Act.SILU, meta=meta, case=MIXED, poison=poison)
+    assert set(meta.token_lora_mapping.tolist()) >= {-1, 0, 1}, "slot 0, another, none"
+    assert not _down_ran_in_order(poisoned)
+    assert poisoned.act_error < 1e-5 and poisoned.sum_error < 1e-5
+    after = _apply(classes[0], Act.SILU, meta=meta, case=NO_ADAPTER, poison=poison, seed=8)
+    assert after.act_error < 1e-6 and after.sum_error < 1e-6
+    assert _down_ran_in_order(after), "a step without adapters keeps vLLM's order"
 
 
 @pytest.mark.parametrize("context", [{"fully_sharded": True}, {"aux_stream": "vLLM's own"}])
