@@ -3,6 +3,8 @@
     PYTHONPATH=/tmp/site:. python3 bench/e2e/bench_e2e.py MODE --commit SHA --out DIR
     MODE: base | stock | plugin | check-stock | check-plugin | check-plugin-graphs
           | check-stock-graphs | compare   (bench/e2e/run_device.sh check runs the four checks)
+          | poison-stock | poison-plugin | poison-stock-graphs | poison-plugin-graphs
+          | poison-compare   (run_device.sh poison runs the four: poison_check.py)
 
 base/stock/plugin: the workload of issue 6 on a Qwen3-30B-A3B-shaped model with dummy weights
 (48 layers, 128 experts top-8; `--layers` for fewer): 16 concurrent requests of 1600 prompt and
@@ -41,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.e2e import poison_check
 from bench.e2e.traces import summarize_traces
 from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
 
@@ -445,7 +448,8 @@ def compare(out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    modes = ["base", "stock", "plugin", "check-stock", *CHECK_MODES, "compare"]
+    modes = ["base", "stock", "plugin", "check-stock", *CHECK_MODES, "compare",
+             *poison_check.POISON_MODES, "poison-compare"]  # fmt: skip
     parser.add_argument("mode", choices=modes)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -469,6 +473,12 @@ def main() -> None:
                 print("CHECK", mode, json.dumps(summary))
         (ns.out / "e2e_check.json").write_text(json.dumps(result) + "\n")
         return
+    if ns.mode == "poison-compare":
+        result = poison_check.compare(ns.out)
+        for mode, entry in result.items():
+            print("POISON", mode, json.dumps(entry))
+        (ns.out / "e2e_poison.json").write_text(json.dumps(result) + "\n")
+        return
     # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.plugin).
     os.environ[ENV_SWITCH] = "1" if "plugin" in ns.mode else "0"
     if ns.profile == "host":
@@ -476,6 +486,8 @@ def main() -> None:
     import torch
 
     run = run_check if ns.mode.startswith("check") else run_workload
+    if ns.mode.startswith("poison"):
+        run = poison_check.run_poison
     row = {"mode": ns.mode, "machine": torch.cuda.get_device_name(), "commit": ns.commit,
            "layers": ns.layers, **run(ns)}  # fmt: skip
     # vLLM's LoRA switches set for this run (VLLM_LORA_ENABLE_DUAL_STREAM, ...), so rows from

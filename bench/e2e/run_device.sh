@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # e2e device calls after the vLLM pieces are in place (../shared/gpu/README.md), from the repo root:
 #   bash bench/e2e/run_device.sh COMMIT MODE...
-#   MODE: check | base | stock | plugin | prefill-base | prefill-stock | prefill-plugin
-#         | host-base | host-plugin | serve-plugin | serve-stock
+#   MODE: check | poison | poison-{stock,plugin,stock-graphs,plugin-graphs} | base | stock | plugin
+#         | prefill-base | prefill-stock | prefill-plugin | host-base | host-plugin | serve-plugin
+#         | serve-stock
 # check: greedy tokens on a small real-weight MoE, stock vLLM eager against the plugin eager and
 # CUDA graphs per adapter count with and without the plugin (bench_e2e.py);
+# poison: on that model, whether the requests beside a NaN copy of an adapter, and after it,
+# keep their greedy tokens: stock and plugin, eager and CUDA graphs (poison_check.py), then
+# poison-compare; poison-MODE runs one (poison-compare also runs off the device on the rows);
 # base/stock/plugin: the 16 x 1600/600 workload offline, with a decode-step profile (prefill-*: one
 # repetition and a profile of one prefill of the 16 prompts instead), and a count of
 # the Triton compiles vLLM's jit_monitor saw while serving; host-*: one repetition, then py-spy's
@@ -27,6 +31,16 @@ for mode in "$@"; do
           --install /tmp/site >>"$log" 2>&1
       done
       python3 bench/e2e/bench_e2e.py compare --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log" ;;
+    poison|poison-*)
+      modes=$mode
+      [ "$mode" = poison ] && modes="poison-stock poison-plugin poison-stock-graphs poison-plugin-graphs"
+      [ "$mode" = poison-compare ] && modes=""
+      for m in $modes; do
+        timeout 240 python3 bench/e2e/bench_e2e.py "$m" --commit "$commit" --out "$OUT" \
+          --install /tmp/site >>"$log" 2>&1
+      done
+      python3 bench/e2e/bench_e2e.py poison-compare --commit "$commit" --out "$OUT" 2>&1 \
+        | tee -a "$log" ;;
     serve-*)  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
       for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
         botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
@@ -56,6 +70,6 @@ for mode in "$@"; do
       echo "$mode: Triton compiles while serving: $(grep -c 'JIT compilation during inference' "$log")"
       grep 'JIT compilation during inference' "$log" | grep -oE 'inference: [A-Za-z0-9_]+' | sort | uniq -c ;;
   esac
-  grep -E "RESULT|CHECK|ROW|REP|JIT compilation during|loraplex MoE|Traceback|Error" "$log" \
+  grep -E "RESULT|CHECK|POISON|ROW|REP|JIT compilation during|loraplex MoE|Traceback|Error" "$log" \
     | cut -c1-600 | tail -16
 done

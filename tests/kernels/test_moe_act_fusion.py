@@ -347,6 +347,26 @@ def test_beside_a_poisoned_adapter_and_in_a_step_without_adapters_after_it_other
     assert _down_ran_in_order(after), "a step without adapters keeps vLLM's order"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_on_a_gpu_a_step_without_adapters_after_a_poisoned_one_keeps_every_token(
+    classes: Any, side_at_any_size: None, graph: bool
+) -> None:
+    """The test above in bf16 on the device, eagerly beside the GEMMs and in CUDA graphs, as
+    vLLM captures one graph for steps with adapters and one for steps without: the memory a
+    delta nobody wrote would hold is what the poisoned step left there."""
+    meta = LoRAKernelMeta.make(MIXED.adapters, MIXED.tokens, "cuda")
+    common: dict[str, Any] = {"meta": meta, "poison": float("nan"), "device": "cuda",
+                              "dtype": torch.bfloat16, "graph": graph}  # fmt: skip
+    _apply(classes[0], Act.SILU, case=MIXED, seed=3, **common)  # compiles, off the measure
+    poisoned = _apply(classes[0], Act.SILU, case=MIXED, **common)
+    after = _apply(classes[0], Act.SILU, case=NO_ADAPTER, seed=8, **common)
+    torch.cuda.synchronize()
+    assert poisoned.act_error < 2e-2 and poisoned.sum_error < 2e-2  # bf16 operands
+    assert after.act_error < 2e-2 and after.sum_error < 2e-2
+    assert _down_ran_in_order(after)
+
+
 @pytest.mark.parametrize("context", [{"fully_sharded": True}, {"aux_stream": "vLLM's own"}])
 def test_sharded_or_dual_stream_lora_keeps_vllm_order(
     classes: Any, side_at_any_size: None, context: dict[str, Any]
