@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 import triton
 
-from . import lora_dense_triton as kt
+from loraplex.kernels import lora_dense_triton as kt
 
 MAX_SLICES = 3
 

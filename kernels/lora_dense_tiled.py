@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import lora_dense_tiled_triton as kt
-from .lora_dense_op import check_layout, padded_slices
+from loraplex.kernels import lora_dense_tiled_triton as kt
+from loraplex.kernels.lora_dense_op import check_layout, padded_slices
 
 BLOCK_M = 64  # tokens per tile: a prefill group has hundreds; 64 keeps the x tile in registers
 # Launch shape: on the H200 at 9,216 and 16,384 tokens (Qwen3-30B-A3B qkv and o, 8 rank-32

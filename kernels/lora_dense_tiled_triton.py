@@ -19,7 +19,7 @@ x row is read once per slice and each y cell once.
 import triton
 import triton.language as tl
 
-from .lora_dense_triton import _pick, _slice_b
+from loraplex.kernels.lora_dense_triton import _pick, _slice_b
 
 _BATCH_ARGS = ["num_tokens", "num_units"]
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .moe_lora_act import expand_silu_and_mul, fits
-from .moe_lora_op import SplitExpand, defer_gate_up_expand
-from .moe_lora_side_stream import (
+from loraplex.kernels.moe_lora_act import expand_silu_and_mul, fits
+from loraplex.kernels.moe_lora_op import SplitExpand, defer_gate_up_expand
+from loraplex.kernels.moe_lora_side_stream import (
     READY,
     SideGateUp,
     drop_side,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
-from .moe_lora_op import SplitExpand
+from loraplex.kernels.moe_lora_act_triton import moe_lora_expand_silu_and_mul_kernel
+from loraplex.kernels.moe_lora_op import SplitExpand
 
 # Launch shape in the sorted form (prefill), not the expand's config: rows per chunk, N tile,
 # warps, and pairs per plain program. On the H200 (Qwen3-30B-A3B gate/up, 8 rank-32 slots in

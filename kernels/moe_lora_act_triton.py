@@ -25,8 +25,8 @@ stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float
 import triton
 import triton.language as tl
 
-from .moe_lora_gemv_triton import _gemv_delta, _gemv_partials
-from .moe_lora_triton import (
+from loraplex.kernels.moe_lora_gemv_triton import _gemv_delta, _gemv_partials
+from loraplex.kernels.moe_lora_triton import (
     _BATCH_ARGS,
     _active_slots,
     _load_b,

@@ -12,7 +12,13 @@ stream. A config selects them with `gemv_shrink` and `gemv_expand`.
 import triton
 import triton.language as tl
 
-from .moe_lora_triton import _BATCH_ARGS, _load_b, _load_prior, _naive_unit, _slice_base
+from loraplex.kernels.moe_lora_triton import (
+    _BATCH_ARGS,
+    _load_b,
+    _load_prior,
+    _naive_unit,
+    _slice_base,
+)
 
 
 @triton.jit

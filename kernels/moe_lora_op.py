@@ -20,9 +20,9 @@ from functools import lru_cache
 import torch
 import triton
 
-from . import moe_lora_gemv_triton as gemv
-from . import moe_lora_triton as kt
-from .moe_lora_configs import MoeLoraConfig, ShapeKey, lookup
+from loraplex.kernels import moe_lora_gemv_triton as gemv
+from loraplex.kernels import moe_lora_triton as kt
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, lookup
 
 NAIVE_BLOCK_M = 16  # tl.dot needs >= 16 rows; the naive form uses row 0 of each tile.
 # Programmatic Dependent Launch up to this many (token, expert) pairs (decode batches). Above it

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .moe_lora_sum import moe_sum_with_delta
+from loraplex.kernels.moe_lora_sum import moe_sum_with_delta
 
 # Eager calls from this many pairs on (prefill sizes: the e2e workload's prefill chunks have
 # 73,728 and 131,072); below it, each call would pay the fork's host work again.

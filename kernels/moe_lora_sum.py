@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_lora_triton import _active_slots
+from loraplex.kernels.moe_lora_triton import _active_slots
 
 # Tokens x columns per program: 4 x 512 bf16 is 16 bytes per thread per load on 4 warps.
 BLOCK_TOKENS = 4

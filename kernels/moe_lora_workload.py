@@ -28,8 +28,8 @@ from typing import Literal, get_args
 
 import torch
 
-from .moe_lora_configs import serves_block_m, serves_naive
-from .moe_lora_reference import moe_lora_align_reference
+from loraplex.kernels.moe_lora_configs import serves_block_m, serves_naive
+from loraplex.kernels.moe_lora_reference import moe_lora_align_reference
 
 AlignFn = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor], tuple]
 # How a call's tokens spread over the adapters: round robin (every adapter alike, the issue's

@@ -127,7 +127,11 @@ def _define_op(original: Callable[..., None]) -> Any:
     implementation, used for the calls ours does not cover. Defined once per process."""
     if hasattr(torch.ops.loraplex, "fused_moe_lora"):
         return torch.ops.loraplex.fused_moe_lora
-    from .moe_lora_op import UnsupportedMoeLoraCall, before_output_write, fused_moe_lora
+    from loraplex.kernels.moe_lora_op import (
+        UnsupportedMoeLoraCall,
+        before_output_write,
+        fused_moe_lora,
+    )
 
     def op(
         output: torch.Tensor,
@@ -198,8 +202,8 @@ def _define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -
     cost more than the shrink's time taken off the main stream."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
-    from .lora_dense_op import UnsupportedDenseCall, lora_dense
-    from .lora_dense_tiled import lora_dense_tiled
+    from loraplex.kernels.lora_dense_op import UnsupportedDenseCall, lora_dense
+    from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
 
     def op(
         y: torch.Tensor,
@@ -245,7 +249,7 @@ def _define_align_op(original: Callable[..., None]) -> Any:
     (vLLM's) for smaller batches and under expert parallelism (an expert map)."""
     if hasattr(torch.ops.loraplex, "moe_lora_align_block_size"):
         return torch.ops.loraplex.moe_lora_align_block_size
-    from .moe_lora_align import BLOCK_SIZES, moe_lora_align_block_size
+    from loraplex.kernels.moe_lora_align import BLOCK_SIZES, moe_lora_align_block_size
 
     def op(
         topk_ids: torch.Tensor,
@@ -411,8 +415,8 @@ def _patch() -> PluginState:
         return PluginState.UNSUPPORTED
     from vllm.lora.ops.triton_ops import lora_expand_op, lora_shrink_op
 
-    from .lora_mapping import update_metadata
-    from .moe_act_fusion import patch_triton_experts
+    from loraplex.kernels.lora_mapping import update_metadata
+    from loraplex.kernels.moe_act_fusion import patch_triton_experts
 
     # First and on its own: engine.specialize_active_lora is safe only with this metadata
     # (`lora_mapping.fill_kernel_meta`), so it stays in place if a later step fails.
@@ -456,8 +460,8 @@ def _routing_for_our_kernels(align: Callable[..., Any]) -> Callable[..., Any]:
     `_configs_at_aligned_block`). Both stay vLLM's under expert parallelism (expert_map: vLLM's
     naive form has no map from global to local experts), with fully sharded LoRA or ranks over
     MAX_RANK (our op declines those calls, and vLLM's kernel was not timed in our forms)."""
-    from .moe_lora_configs import serves_block_m, serves_naive
-    from .moe_lora_op import MAX_RANK
+    from loraplex.kernels.moe_lora_configs import serves_block_m, serves_naive
+    from loraplex.kernels.moe_lora_op import MAX_RANK
 
     @functools.wraps(align)
     def moe_lora_align_block_size(

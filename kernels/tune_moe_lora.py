@@ -16,9 +16,9 @@ import functools
 
 import torch
 
-from .moe_lora_configs import MoeLoraConfig, ShapeKey, write_configs
-from .moe_lora_op import fused_moe_lora
-from .moe_lora_workload import (
+from loraplex.kernels.moe_lora_configs import MoeLoraConfig, ShapeKey, write_configs
+from loraplex.kernels.moe_lora_op import fused_moe_lora
+from loraplex.kernels.moe_lora_workload import (
     BATCHES,
     SHAPES,
     CallSpec,
