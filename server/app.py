@@ -39,7 +39,10 @@ async def _tenancy(
         settings.http.admin_token,
     )
     tenancy = Tenancy(settings.tenancy, directory, metrics)
-    async with tenancy.following_store(settings.registry.poll_interval_s):
+    async with (
+        tenancy.following_store(settings.registry.poll_interval_s),
+        tenancy.sharing_quotas(),
+    ):
         yield tenancy
 
 

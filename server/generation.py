@@ -292,7 +292,7 @@ async def complete(
     try:
         # Quotas and the queue bound come before the lease, so a refused request never fetches
         # or loads an adapter (which could evict other tenants' adapters from the engine).
-        prep.admitted = gw.tenancy.admit(
+        prep.admitted = await gw.tenancy.admit(
             tenant,
             record_of(request),
             model=body.model,
@@ -301,7 +301,7 @@ async def complete(
             max_tokens=prep.params.max_tokens or 0,
             n=prep.params.n,
         )
-        stack.callback(prep.admitted.close)
+        stack.push_async_callback(prep.admitted.close)
         if is_adapter:
             with _as_client_errors(body.model):
                 await gw.adapters.prefetch(body.model)

@@ -19,6 +19,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -155,6 +156,28 @@ class GatewayMetrics:
             "loraplex_rejections",
             "Requests refused by admission, by reason (quota name, queue_full, unauthorized).",
             ["tenant", "reason"],
+        )
+        # The shared quota store (tenancy.quota_store); they stay at their initial values
+        # without one.
+        self.quota_store_healthy = Gauge(
+            "loraplex_quota_store_healthy",
+            "1 while the shared quota store answers (or none is configured), 0 while it is "
+            "unreachable.",
+            registry=registry,
+        )
+        self.quota_store_healthy.set(1)
+        self.quota_store_failed_requests = counter(
+            "loraplex_quota_store_failed_requests",
+            "Requests to the shared quota store (Redis) that failed or timed out, by operation "
+            "(acquire, release, renew).",
+            ["operation"],
+        )
+        self.quota_store_bypassed_requests = counter(
+            "loraplex_quota_store_bypassed_requests",
+            "Requests admitted or refused without the unreachable quota store, by "
+            "tenancy.quota_store_failure: open (decided on this replica's own quotas) or closed "
+            "(refused 503).",
+            ["tenant", "failure_mode"],
         )
         self._per_adapter = bool(adapter_label_top_k)
 

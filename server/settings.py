@@ -299,7 +299,7 @@ class ConfigError(ValueError):
 
 # Config errors never repeat these values: the CLI prints the error, and logs keep it. Where a
 # key is misspelt (`api_key`, `admin-token`), pydantic reports the unknown key with its value.
-SECRET_FIELDS = frozenset({"api_keys", "admin_token"})
+SECRET_FIELDS = frozenset({"api_keys", "admin_token", "quota_store"})
 
 
 def _holds_a_section(value: object) -> bool:

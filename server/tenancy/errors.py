@@ -33,6 +33,20 @@ class QueueFull(errors.EngineOverloaded):
         super().__init__(message, headers={"Retry-After": "1"})
 
 
+class QuotaStoreUnavailable(errors.ApiError):
+    """The shared quota store (tenancy.quota_store) is unreachable and
+    tenancy.quota_store_failure is `closed`: no request is admitted until it is back."""
+
+    status = 503
+    type = "server_error"
+    code = "quota_store_unavailable"
+    reason = "quota_store_unavailable"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
+        self.retry_after = retry_after
+
+
 class TenantNotFound(errors.NotFound):
     code = "tenant_not_found"
 

@@ -55,6 +55,35 @@ class Reservation:
     tokens: int  # 0 when tokens_per_minute was unlimited at admission
 
 
+def reservation_for(quotas: Quotas, demand: Demand) -> Reservation:
+    """What admitting `demand` takes under `quotas`: its sequences, and its tokens where
+    tokens_per_minute is limited."""
+    return Reservation(demand.n, demand.tokens if quotas.tokens_per_minute else 0)
+
+
+def refusal(
+    reason: str, quotas: Quotas, demand: Demand, in_flight: int, wait: float
+) -> RateLimited:
+    """The 429 for `demand` refused by the quota `reason` (a field of Quotas): `in_flight`
+    sequences were held, and `wait` seconds will admit it (Retry-After)."""
+    if reason == "max_concurrent":
+        message = (
+            f"Too many concurrent requests: {in_flight} sequences are in flight and the limit "
+            f"is {quotas.max_concurrent} (a request counts its `n`)."
+        )
+    elif reason == "tokens_per_minute":
+        message = (
+            f"Token rate limit reached: this request reserves {demand.spelled()} and the limit "
+            f"is {quotas.tokens_per_minute} tokens per minute."
+        )
+    else:
+        message = (
+            f"Request rate limit reached: the limit is {quotas.requests_per_minute} requests "
+            "per minute (a request counts its `n`)."
+        )
+    return RateLimited(message, reason=reason, retry_after=wait)
+
+
 class TokenBucket:
     """`per_minute` units per minute, at most one minute's worth banked."""
 
@@ -118,32 +147,19 @@ class QuotaGate:
     def check(self, demand: Demand) -> Reservation:
         """What admitting `demand` would take; raises RequestTooLarge (400) if no wait can admit
         it, RateLimited (429) naming the exhausted quota if it must wait. Takes nothing."""
-        self._check_fits_at_all(demand)
+        self.check_size(demand)
         limit = self.quotas.max_concurrent
         if limit and self.in_flight + demand.n > limit:
-            raise RateLimited(
-                f"Too many concurrent requests: {self.in_flight} sequences are in flight and "
-                f"the limit is {limit} (a request counts its `n`).",
-                reason="max_concurrent",
-                retry_after=1.0,
-            )
+            raise refusal("max_concurrent", self.quotas, demand, self.in_flight, 1.0)
         if self._tokens is not None and (wait := self._tokens.wait_for(demand.tokens)) > 0:
-            raise RateLimited(
-                f"Token rate limit reached: this request reserves {demand.spelled()} and the "
-                f"limit is {self.quotas.tokens_per_minute} tokens per minute.",
-                reason="tokens_per_minute",
-                retry_after=wait,
-            )
+            raise refusal("tokens_per_minute", self.quotas, demand, self.in_flight, wait)
         if self._requests is not None and (wait := self._requests.wait_for(demand.n)) > 0:
-            raise RateLimited(
-                f"Request rate limit reached: the limit is {self.quotas.requests_per_minute} "
-                "requests per minute (a request counts its `n`).",
-                reason="requests_per_minute",
-                retry_after=wait,
-            )
-        return Reservation(demand.n, demand.tokens if self._tokens is not None else 0)
+            raise refusal("requests_per_minute", self.quotas, demand, self.in_flight, wait)
+        return reservation_for(self.quotas, demand)
 
-    def _check_fits_at_all(self, demand: Demand) -> None:
+    def check_size(self, demand: Demand) -> None:
+        """Raise RequestTooLarge (400) if `demand` needs more than a whole limit: no wait can
+        admit it. Depends on the limits alone, not on what is in flight."""
         q = self.quotas
         per_sequence = {
             "max_concurrent": q.max_concurrent,

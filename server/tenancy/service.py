@@ -2,12 +2,14 @@
 
 Per request, in order: `authenticate` (401), then the route checks `tenant.may_use(model)` (404
 exactly like an unknown model), then `admit` (400 for a request no wait can admit, 429 quota, 503
-queue full, before any response byte; it reserves the request's n sequences and its prompt +
-n x max_tokens tokens), then `Admitted.turn` waits for the fair engine slot inside the response
-(the gateway leases the adapter only then), and `Admitted.generate` streams the engine's outputs
-under the tenant's prefix-cache salt, counting tokens into the request's record. Closing frees the
-slots and settles the tenant's token quota with the tokens the engine processed, giving back the
-rest of the reservation (all of it for a request that failed or left before the engine).
+queue full or shared quota store unreachable, before any response byte; it reserves the
+request's n sequences and its prompt + n x max_tokens tokens, in Redis when
+`tenancy.quota_store` is set), then `Admitted.turn` waits for the fair engine slot inside the
+response (the gateway leases the adapter only then), and `Admitted.generate` streams the
+engine's outputs under the tenant's prefix-cache salt, counting tokens into the request's record.
+Closing frees the slots and settles the tenant's token quota with the tokens the engine
+processed, giving back the rest of the reservation (all of it for a request that failed or left
+before the engine).
 """
 
 from __future__ import annotations
@@ -24,10 +26,18 @@ from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission, Entry
 from loraplex.server.tenancy.cache_salt import CacheSalts
 from loraplex.server.tenancy.directory import TenantDirectory
-from loraplex.server.tenancy.errors import QueueFull, RateLimited, RequestTooLarge, Unauthorized
+from loraplex.server.tenancy.errors import (
+    QueueFull,
+    QuotaStoreUnavailable,
+    RateLimited,
+    RequestTooLarge,
+    Unauthorized,
+)
 from loraplex.server.tenancy.model import Tenant
+from loraplex.server.tenancy.quota_store import SharedQuotas
 from loraplex.server.tenancy.quotas import Demand
 from loraplex.server.tenancy.record import RequestRecord
+from loraplex.server.tenancy.redis_quotas import RedisQuotas
 from loraplex.server.tenancy.settings import TenancySettings
 
 if TYPE_CHECKING:
@@ -89,9 +99,9 @@ class Admitted:
                         record.on_tokens(len(out.token_ids), now, out.index)
                 yield output
 
-    def close(self) -> None:
+    async def close(self) -> None:
         record = self._record
-        self._entry.close(record.processed_tokens if record is not None else 0)
+        await self._entry.close(record.processed_tokens if record is not None else 0)
 
 
 class Tenancy:
@@ -101,7 +111,13 @@ class Tenancy:
         self.settings = settings
         self.directory = directory
         self.metrics = metrics
-        self.admission = Admission(settings)
+        self.shared_quotas: SharedQuotas | None = None
+        if settings.quota_store is not None:
+            store = RedisQuotas(
+                settings.quota_store.get_secret_value(), settings.quota_store_timeout_s
+            )
+            self.shared_quotas = SharedQuotas(store, settings.quota_store_failure, metrics)
+        self.admission = Admission(settings, shared=self.shared_quotas)
         self.cache_salts = CacheSalts(settings.share_prefix_cache)
 
     def queue_snapshot(self) -> dict[str, tuple[int, int]]:
@@ -119,7 +135,7 @@ class Tenancy:
             record.tenant = tenant.id
         return tenant
 
-    def admit(
+    async def admit(
         self,
         tenant: Tenant,
         record: RequestRecord | None,
@@ -131,15 +147,30 @@ class Tenancy:
         n: int = 1,
     ) -> Admitted:
         """Admit one request of `n` choices (raises RequestTooLarge 400 / RateLimited 429 /
-        QueueFull 503): it reserves n sequences and prompt + n x max_tokens tokens."""
+        QueueFull or QuotaStoreUnavailable 503): it reserves n sequences and prompt +
+        n x max_tokens tokens."""
         if record is not None:
             record.model, record.adapter, record.prompt_tokens = model, adapter, prompt_tokens
         try:
-            entry = self.admission.enter(tenant, Demand(prompt_tokens, n, max_tokens))
-        except (RequestTooLarge, RateLimited, QueueFull) as e:
+            entry = await self.admission.enter(tenant, Demand(prompt_tokens, n, max_tokens))
+        except (RequestTooLarge, RateLimited, QueueFull, QuotaStoreUnavailable) as e:
             self.metrics.observe_rejection(tenant.id, e.reason)
             raise
         return Admitted(entry, record, self.cache_salts.of(tenant.id))
+
+    @contextlib.asynccontextmanager
+    async def sharing_quotas(self) -> AsyncIterator[None]:
+        """Keep the shared quota store's leases and connections for the server's life (nothing
+        to do without `tenancy.quota_store`)."""
+        if self.shared_quotas is None:
+            yield
+            return
+        log.info(
+            "tenant quotas are shared through %s (quota_store_failure=%s)",
+            self.shared_quotas.store.address, self.settings.quota_store_failure,
+        )  # fmt: skip
+        async with self.shared_quotas.running():
+            yield
 
     @contextlib.asynccontextmanager
     async def following_store(self, interval_s: float) -> AsyncIterator[None]:

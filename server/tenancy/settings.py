@@ -10,7 +10,8 @@ for the life of the process, as the file keeps them on disk.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
@@ -34,6 +35,8 @@ Weight = Annotated[float, Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=Fals
 MAX_CONCURRENT_LIMIT = 1_000_000
 MAX_REQUESTS_PER_MINUTE = 100_000_000
 MAX_TOKENS_PER_MINUTE = 10_000_000_000
+
+QUOTA_STORE_SCHEMES = ("redis", "rediss", "unix")
 
 
 class Quotas(BaseModel):
@@ -65,6 +68,11 @@ class Quotas(BaseModel):
         description="Prompt plus generated tokens per minute: prompt + n x max_tokens reserved "
         "at admission, the unused part given back at the end.",
     )
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit is set."""
+        return bool(self.max_concurrent or self.requests_per_minute or self.tokens_per_minute)
 
 
 class TenantConfig(BaseModel):
@@ -141,6 +149,29 @@ class TenancySettings(BaseModel):
         "salt of their own, so a prompt that matches another tenant's never reuses its cached "
         "blocks, whose quicker first token would tell that the other tenant sent it.",
     )
+    quota_store: SecretStr | None = Field(
+        default=None,
+        description="redis://[:password@]host:port/db (or rediss://, unix://path): every replica "
+        "keeps each tenant's quotas (both rates and max_concurrent) in this Redis, so the limits "
+        "hold across the fleet. Unset: each process counts its own quotas, and N replicas grant "
+        "up to N times each limit. A secret: the URL may carry a password.",
+    )
+    quota_store_failure: Literal["open", "closed"] = Field(
+        default="open",
+        description="While the quota store is unreachable: `open` admits on this replica's own "
+        "quotas (as without a store: each replica enforces the full limits), `closed` refuses "
+        "every request 503 with Retry-After.",
+    )
+    # A script's round trip on loopback is ~0.1 ms and a few ms across a data centre; 0.25 s is
+    # far above both and still below a person's notice, and is the most one request waits on a
+    # hung Redis (the others are decided without it until the next probe, a second later).
+    quota_store_timeout_s: float = Field(
+        default=0.25,
+        ge=0.005,
+        le=5.0,
+        description="Seconds one call to the quota store may take, connecting included; slower "
+        "counts as unreachable.",
+    )
     adapter_label_top_k: int = Field(
         default=20,
         ge=0,
@@ -155,6 +186,23 @@ class TenancySettings(BaseModel):
         if not re.fullmatch(r"[A-Za-z0-9_./-]*/", prefix) or ".." in prefix:
             raise ValueError("store_prefix must be a relative path ending in '/' without '..'")
         return prefix
+
+    @field_validator("quota_store")
+    @classmethod
+    def _quota_store_url(cls, url: SecretStr | None) -> SecretStr | None:
+        if url is None:
+            return None
+        parts = urlsplit(url.get_secret_value())
+        if parts.scheme not in QUOTA_STORE_SCHEMES:
+            raise ValueError(
+                f"quota_store must be a URL of scheme {', '.join(QUOTA_STORE_SCHEMES)}"
+            )
+        parts.port  # noqa: B018 - raises ValueError naming a port that is not a number
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("quota_store must name a host: redis://host:6379/0")
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError("quota_store must name a socket path: unix:///run/redis.sock")
+        return url
 
     @field_validator("share_prefix_cache")
     @classmethod

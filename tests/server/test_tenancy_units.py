@@ -289,12 +289,12 @@ def test_changed_quotas_apply_without_losing_in_flight_count() -> None:
     acme = directory.authenticate(ACME_KEY)
 
     async def run() -> None:
-        first = admission.enter(acme, ONE)
+        first = await admission.enter(acme, ONE)
         tighter = acme.__class__(**{**acme.__dict__, "quotas": Quotas(max_concurrent=1)})
         with pytest.raises(RateLimited):
-            admission.enter(tighter, ONE)
-        first.close(0)
-        admission.enter(tighter, ONE).close(0)
+            await admission.enter(tighter, ONE)
+        await first.close(0)
+        await (await admission.enter(tighter, ONE)).close(0)
 
     asyncio.run(run())
 
@@ -306,17 +306,17 @@ def test_queue_full_refuses_without_counting_against_quota() -> None:
     acme = acme.__class__(**{**acme.__dict__, "quotas": Quotas(requests_per_minute=3)})
 
     async def run() -> None:
-        running = admission.enter(acme, ONE)
-        queued = admission.enter(acme, ONE)
+        running = await admission.enter(acme, ONE)
+        queued = await admission.enter(acme, ONE)
         for _ in range(5):  # each refused for the queue, none for the request rate
             with pytest.raises(QueueFull) as e:
-                admission.enter(acme, ONE)
+                await admission.enter(acme, ONE)
             assert e.value.status == 503
-        running.close(0)
-        queued.close(0)
-        admission.enter(acme, ONE).close(0)  # the third of the minute's three
+        await running.close(0)
+        await queued.close(0)
+        await (await admission.enter(acme, ONE)).close(0)  # the third of the minute's three
         with pytest.raises(RateLimited):
-            admission.enter(acme, ONE)
+            await admission.enter(acme, ONE)
 
     asyncio.run(run())
 
@@ -472,12 +472,12 @@ def test_a_request_that_never_reached_the_engine_is_charged_no_tokens() -> None:
     tenancy = Tenancy(config, TenantDirectory(config, None, None), metrics)
     acme = tenancy.authenticate(ACME_KEY, None)
 
-    def finish(reached_engine: bool) -> None:
+    async def finish(reached_engine: bool) -> None:
         record = RequestRecord("r", "POST", "/v1/completions", 0.0, tenant="acme", model="m")
-        admitted = tenancy.admit(acme, record, model="m", adapter=None, prompt_tokens=1500,
+        admitted = await tenancy.admit(acme, record, model="m", adapter=None, prompt_tokens=1500,
                                  max_tokens=10)  # fmt: skip
         record.reached_engine, record.status = reached_engine, 503
-        admitted.close()
+        await admitted.close()
         metrics.observe_request(record)
 
     def prompt_tokens() -> float:
@@ -488,12 +488,14 @@ def test_a_request_that_never_reached_the_engine_is_charged_no_tokens() -> None:
 
     async def run() -> None:
         for _ in range(3):
-            finish(reached_engine=False)  # each admitted: no debt left behind
+            await finish(reached_engine=False)  # each admitted: no debt left behind
         assert prompt_tokens() == 0
-        finish(reached_engine=True)
+        await finish(reached_engine=True)
         assert prompt_tokens() == 1500
         with pytest.raises(RateLimited):  # 500 tokens left of 2,000: 601 do not fit
-            tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=1, max_tokens=600)
+            await tenancy.admit(
+                acme, None, model="m", adapter=None, prompt_tokens=1, max_tokens=600
+            )
 
     asyncio.run(run())
 
@@ -586,10 +588,13 @@ def test_n_over_max_running_is_400_and_counted_as_a_rejection() -> None:
 
     async def run() -> None:
         with pytest.raises(RequestTooLarge) as e:
-            tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=3, max_tokens=4, n=9)
+            await tenancy.admit(
+                acme, None, model="m", adapter=None, prompt_tokens=3, max_tokens=4, n=9
+            )
         assert e.value.param == "n" and "tenancy.max_running (8)" in e.value.message
-        tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=3, max_tokens=4,
-                      n=8).close()  # fmt: skip
+        admitted = await tenancy.admit(acme, None, model="m", adapter=None, prompt_tokens=3,
+                                       max_tokens=4, n=8)  # fmt: skip
+        await admitted.close()
 
     asyncio.run(run())
     assert (
@@ -610,12 +615,14 @@ def test_a_failed_enqueue_takes_nothing_from_the_quotas() -> None:
     acme = acme.__class__(**{**acme.__dict__, "quotas": quotas})
 
     async def run() -> None:
-        running = admission.enter(acme, Demand(10, n=2, max_tokens=20))  # both slots, 50 tokens
+        # Both slots, 50 tokens.
+        running = await admission.enter(acme, Demand(10, n=2, max_tokens=20))
         with pytest.raises(QueueFull):  # it would have to wait, and nothing may
-            admission.enter(acme, Demand(10, n=1, max_tokens=40))
-        running.close(50)
-        admission.enter(acme, Demand(10, n=1, max_tokens=40)).close(0)  # 50 left, 3 sequences
-        admission.enter(acme, Demand(10, n=2, max_tokens=20)).close(0)
+            await admission.enter(acme, Demand(10, n=1, max_tokens=40))
+        await running.close(50)
+        # 50 tokens left, 3 sequences.
+        await (await admission.enter(acme, Demand(10, n=1, max_tokens=40))).close(0)
+        await (await admission.enter(acme, Demand(10, n=2, max_tokens=20))).close(0)
 
     asyncio.run(run())
 
@@ -655,11 +662,11 @@ def test_every_engine_request_carries_its_tenants_salt() -> None:
     async def run() -> None:
         engine = EngineClient(Engine(), Tokenizer(), 2048)  # type: ignore[arg-type]
         for key in (ACME_KEY, GLOBEX_KEY, "initech-key-0123456789abcdef"):
-            admitted = tenancy.admit(tenancy.authenticate(key, None), None, model="m",
-                                     adapter=None, prompt_tokens=3, max_tokens=1)  # fmt: skip
+            admitted = await tenancy.admit(tenancy.authenticate(key, None), None, model="m",
+                                           adapter=None, prompt_tokens=3, max_tokens=1)  # fmt: skip
             async for _ in admitted.generate(engine, [1, 2, 3], None, None, "r"):  # type: ignore[arg-type]
                 pass
-            admitted.close()
+            await admitted.close()
 
     asyncio.run(run())
     acme, globex, initech = (p["cache_salt"] for p in prompts)
