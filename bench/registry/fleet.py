@@ -1,7 +1,7 @@
 """The catalog at fleet scale: replicas following one bucket's catalog of 1,000 and 10,000 adapters.
 
     python -m bench.registry.fleet [--adapters 1000 10000] [--replicas 32] [--idle-s 60]
-                                   [--registrations 30] [--new-replicas 3]
+                                   [--registrations 30] [--new-replicas 3] [--reference COMMIT]
 
 For each catalog size, on a fresh moto S3 server in a process of its own that counts every request
 by client (`bench.registry.counting_s3`):
@@ -23,7 +23,12 @@ by client (`bench.registry.counting_s3`):
 5. Start-up of a new replica while the fleet polls, `--new-replicas` times: seconds to open the
    registry (in its process), seconds from spawn (with Python's imports), its S3 requests.
 
-Prints a table and appends one JSON row per catalog size to bench/results/registry_fleet.jsonl.
+With `--reference COMMIT`, every catalog size runs twice, first with the followers (replicas)
+of that commit (its tree from `git archive`), then with this tree's, side by side in one run; the
+writer and the seeding are this tree's in both (the log's format is the same).
+
+Prints a table and appends one JSON row per catalog size and follower to
+bench/results/registry_fleet.jsonl.
 Targets (issue 42): a registration on every replica within 5 s p99; idle S3 requests per replica
 independent of the catalog's size.
 """
@@ -59,7 +64,7 @@ from safetensors.numpy import save
 
 from bench.common import append_rows, stamp
 from bench.registry.counting_s3 import COUNTS_PATH
-from bench.registry.fleet_replica import probe_name
+from bench.registry.fleet_replica import WATCH_S, probe_name
 from bench.registry.stubs import TINY_MODEL_NAME, StubEngine, write_tiny_adapter, write_tiny_model
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.catalog import (
@@ -74,6 +79,7 @@ from loraplex.adapters_registry.lifecycle import build_registry
 from loraplex.adapters_registry.s3_store import S3Store
 from loraplex.adapters_registry.settings import RegistrySettings
 
+REPO = Path(__file__).resolve().parents[2]
 BUCKET, PREFIX = "fleet-bench", "shared"
 REACH_TIMEOUT_S = 30.0  # a registration not on every replica by then counts as never arriving
 SEED_WRITERS = 16
@@ -138,12 +144,13 @@ class Replica:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def start(cls, name: str, config: dict[str, Any], caches: Path) -> Replica:
-        """Replica `name` with `config` (see fleet_replica) and its own cache under `caches`."""
+    async def start(cls, name: str, config: dict[str, Any], caches: Path, tree: Path) -> Replica:
+        """Replica `name` of the source `tree` with `config` (see fleet_replica) and its own
+        cache under `caches`."""
         spawned = time.monotonic()
         own = json.dumps(config | {"cache_root": str(caches / name)})
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.registry.fleet_replica", own,
+            sys.executable, "-m", "bench.registry.fleet_replica", own, cwd=tree,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=with_key(name),
         )  # fmt: skip
         return cls(name, proc, spawned)
@@ -227,11 +234,11 @@ def make_bucket(endpoint: str) -> None:
     client.create_bucket(Bucket=BUCKET)
 
 
-async def open_writer(settings: RegistrySettings, work: Path) -> ManagedRegistry:
+async def open_writer(settings: RegistrySettings, model_dir: Path, caches: Path) -> ManagedRegistry:
     os.environ.update(with_key("writer"))  # boto3 reads the key when the store is opened
     return await build_registry(
-        settings, StubEngine(), model_dir=work / "model", base_model_name=TINY_MODEL_NAME,
-        max_lora_rank=64, max_loras=4, max_cpu_loras=8, cache_root=work / "writer",
+        settings, StubEngine(), model_dir=model_dir, base_model_name=TINY_MODEL_NAME,
+        max_lora_rank=64, max_loras=4, max_cpu_loras=8, cache_root=caches / "writer",
         metrics_registry=CollectorRegistry(),
     )  # fmt: skip
 
@@ -283,6 +290,7 @@ async def measure_reach(
         slowest.append(max(delays))
         await asyncio.sleep(rng.uniform(0, pause_s))
     return {
+        "all_s": [round(d, 3) for d in slowest],
         "all_p50_s": nearest_rank(slowest, 0.5),
         "all_p99_s": nearest_rank(slowest, 0.99),
         "each_p50_s": nearest_rank(each, 0.5),
@@ -294,11 +302,11 @@ async def measure_reach(
 
 
 async def measure_new_replica(
-    s3: S3Server, config: dict[str, Any], caches: Path, n: int
+    s3: S3Server, config: dict[str, Any], caches: Path, tree: Path, n: int
 ) -> dict[str, Any]:
     opened, spawned, requests = [], [], []
     for j in range(n):
-        replica = await Replica.start(f"new{j}", config, caches)
+        replica = await Replica.start(f"new{j}", config, caches, tree)
         message = await replica.ready
         counted = by_client(s3.counts())[replica.name]
         await replica.close()
@@ -313,7 +321,11 @@ async def measure_new_replica(
     }
 
 
-async def run_size(adapters: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+async def run_size(
+    adapters: int, tree: Path, args: argparse.Namespace, work: Path
+) -> dict[str, Any]:
+    """One catalog size with the followers of source `tree`."""
+    load_before = os.getloadavg()
     s3 = S3Server()
     fleet: list[Replica] = []
     try:
@@ -335,9 +347,10 @@ async def run_size(adapters: int, args: argparse.Namespace, work: Path) -> dict[
             "poll_interval_s": args.poll_interval_s,
             "model_dir": str(work / "model"),
         }
-        caches = work / f"caches-{adapters}"
+        caches = Path(tempfile.mkdtemp(prefix="caches-", dir=work))
         fleet = [
-            await Replica.start(f"replica{i:02d}", config, caches) for i in range(args.replicas)
+            await Replica.start(f"replica{i:02d}", config, caches, tree)
+            for i in range(args.replicas)
         ]
         ready = await asyncio.gather(*(r.ready for r in fleet))
         assert all(m["adapters"] == adapters for m in ready), ready
@@ -346,20 +359,21 @@ async def run_size(adapters: int, args: argparse.Namespace, work: Path) -> dict[
         print(f"[{adapters}] fleet up; idle for {args.idle_s:.0f} s", flush=True)
         idle = await measure_idle(s3, fleet, args.idle_s)
         print(f"[{adapters}] {args.registrations} registrations", flush=True)
-        writer = await open_writer(settings, work)
+        writer = await open_writer(settings, work / "model", caches)
         try:
-            reach = await measure_reach(writer, fleet, work / f"writer-{adapters}",
+            reach = await measure_reach(writer, fleet, caches / "probes",
                                         args.registrations, args.poll_interval_s)  # fmt: skip
         finally:
             writer.cache.close()
         print(f"[{adapters}] {args.new_replicas} new replicas", flush=True)
-        new = await measure_new_replica(s3, config, caches, args.new_replicas)
+        new = await measure_new_replica(s3, config, caches, tree, args.new_replicas)
     finally:
         for r in fleet:
             await r.close()
         s3.close()
     return {
         "adapters": adapters,
+        "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
         "seed_s": seed_s,
         "snapshot_bytes": snapshot_bytes,
         "fleet_open_s": {"median": statistics.median(fleet_open), "max": max(fleet_open)},
@@ -371,8 +385,8 @@ async def run_size(adapters: int, args: argparse.Namespace, work: Path) -> dict[
 
 def show(results: list[dict[str, Any]], replicas: int) -> Table:
     table = Table(title=f"catalog followers: {replicas} replicas on one moto bucket")
-    for col in ("adapters", "reach all p50/p99 s", "reach each p50/p99 s", "idle req/replica/min",
-                "idle kinds /replica/min", "replica CPU ms/min", "S3 server CPU",
+    for col in ("adapters", "follower", "reach all p50/p99 s", "reach each p50/p99 s",
+                "idle req/replica/min", "replica CPU ms/min", "S3 server CPU",
                 "new replica open s", "its S3 requests", "snapshot KiB"):  # fmt: skip
         table.add_column(col)
     for r in results:
@@ -380,9 +394,9 @@ def show(results: list[dict[str, Any]], replicas: int) -> Table:
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in idle["by_kind_per_replica_min"].items())
         table.add_row(
             f"{r['adapters']:,}",
+            f"{r['follower']} {r['follower_commit']}",
             f"{reach['all_p50_s']:.2f} / {reach['all_p99_s']:.2f}",
             f"{reach['each_p50_s']:.2f} / {reach['each_p99_s']:.2f}",
-            f"{idle['requests_per_replica_min']:.1f}",
             kinds,
             f"{idle['replica_cpu_ms_per_min']:.0f}",
             f"{idle['s3_server_cpu_share']:.0%}",
@@ -393,11 +407,56 @@ def show(results: list[dict[str, Any]], replicas: int) -> Table:
     return table
 
 
+def show_ratios(results: list[dict[str, Any]]) -> Table:
+    """This tree's followers over the reference's, per catalog size (below 1: this is less)."""
+    table = Table(title="this / reference")
+    for col in ("adapters", "reach all p99", "replica CPU", "S3 server CPU", "new replica open"):
+        table.add_column(col)
+    ref = {r["adapters"]: r for r in results if r["follower"] == "reference"}
+    for r in results:
+        base = ref.get(r["adapters"])
+        if r["follower"] != "this" or base is None:
+            continue
+        table.add_row(
+            f"{r['adapters']:,}",
+            f"{r['reach']['all_p99_s'] / base['reach']['all_p99_s']:.2f}",
+            f"{r['idle']['replica_cpu_ms_per_min'] / base['idle']['replica_cpu_ms_per_min']:.2f}",
+            f"{r['idle']['s3_server_cpu_share'] / base['idle']['s3_server_cpu_share']:.2f}",
+            f"{r['new_replica']['open_s_median'] / base['new_replica']['open_s_median']:.2f}",
+        )
+    return table
+
+
+def export_tree(commit: str, dest: Path) -> Path:
+    """The source tree of `commit` (git archive) in `dest`."""
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "archive", commit], cwd=REPO, stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise RuntimeError(f"git archive {commit} failed")
+    return dest
+
+
+def short_commit(commit: str) -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", commit], cwd=REPO, check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    return done.stdout.strip()
+
+
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     try:
         write_tiny_model(work / "model")
-        return [await run_size(n, args, work) for n in args.adapters]
+        followers = [("this", short_commit("HEAD"), REPO)]
+        if args.reference:
+            tree = export_tree(args.reference, work / "reference")
+            followers.insert(0, ("reference", short_commit(args.reference), tree))
+        results = []
+        for adapters in args.adapters:
+            for label, commit, tree in followers:
+                row = await run_size(adapters, tree, args, work)
+                results.append({"follower": label, "follower_commit": commit, **row})
+        return results
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -411,16 +470,19 @@ def main() -> None:
     parser.add_argument("--new-replicas", type=int, default=3)
     parser.add_argument("--poll-interval-s", type=float,
                         default=RegistrySettings().poll_interval_s)  # fmt: skip
+    parser.add_argument("--reference", metavar="COMMIT",
+                        help="also run the followers of this commit, first")  # fmt: skip
     args = parser.parse_args()
-    load = os.getloadavg()
     results = asyncio.run(run(args))
     console = Console(width=160)
     console.print(show(results, args.replicas))
+    if args.reference:
+        console.print(show_ratios(results))
     config = {
         "replicas": args.replicas, "idle_s": args.idle_s, "registrations": args.registrations,
         "new_replicas": args.new_replicas, "poll_interval_s": args.poll_interval_s,
         "snapshot_every": SNAPSHOT_EVERY, "seeded": "catalog write path (write_event, snapshots)",
-        "load_average_at_start": [round(x, 2) for x in load],
+        "reach_watch_s": WATCH_S,
     }  # fmt: skip
     rows = [{**stamp(), "bench": "registry_fleet", "config": config, **r} for r in results]
     console.print(f"wrote {append_rows('registry_fleet', rows)}")
