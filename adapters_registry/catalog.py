@@ -46,7 +46,7 @@ SNAPSHOT_EVERY = 256
 # Waits before each read of a log entry whose write was refused as conflicting, for the other
 # write to land (`Catalog._settled_event`): reads at 0, 0.1, 0.3, 0.7, 1.5 and 3.1 s.
 WRITE_SETTLE_DELAYS_S = (0.0, 0.1, 0.2, 0.4, 0.8, 1.6)
-# Log entries read at once after a poll finds new ones: a start's tail of 232 entries took 2.3 s
+# Log entries a start reads at once (`Catalog.fetch_tail`): a tail of 232 entries took 2.3 s
 # one by one from moto on the 2-core machine, 1.2 s 8 at a time (16: 1.0 s; moto's own CPU bounds
 # it there); S3Store pools 16 connections.
 TAIL_READERS = 8
@@ -315,31 +315,36 @@ class Catalog:
                 self._quarantined.pop(name, None)
 
     def fetch_events(self) -> list[tuple[int, dict[str, Any]]]:
-        """Events after `last_seq` in order, stopping at the first gap (a write not yet seen).
+        """Events after `last_seq` in order, stopping at the first gap (a write not yet seen),
+        read by key one at a time: what a poll does.
 
-        A poll that finds nothing new costs one GET of the next entry, answered 404, however long
-        the log: a LIST with StartAfter on every poll made the server pass over the bucket's keys
-        (moto: 50 ms of its CPU for a 10,000-adapter bucket; 32 replicas kept it 58% busy). Only
-        once that entry exists are the later ones listed and read `TAIL_READERS` at a time (a
-        start reads up to `SNAPSHOT_EVERY` of them after the snapshot). S3 answers a missing key
-        with 404, not 403, only to callers allowed s3:ListBucket, which the snapshot's listing
-        needs anyway."""
-        first = self._fetch_event(self.last_seq + 1)
-        if first is None:
-            return []
-        events = [(self.last_seq + 1, first)]
-        later: list[int] = []
-        for key in self.store.list_keys(LOG_PREFIX, start_after=log_key(self.last_seq + 1)):
+        A poll costs one GET per new entry and one answered 404, however long the log. Listing
+        the log instead made the S3 server pass over the bucket's keys (moto: 50 ms of its CPU
+        for a 10,000-adapter bucket): on every poll, 32 replicas kept it 58% busy; on every
+        change, their 32 LISTs queued for up to 9 s. S3 answers a missing key with 404, not 403,
+        only to callers allowed s3:ListBucket, which `fetch_snapshot` needs anyway."""
+        events = []
+        seq = self.last_seq + 1
+        while (event := self._fetch_event(seq)) is not None:
+            events.append((seq, event))
+            seq += 1
+        return events
+
+    def fetch_tail(self) -> list[tuple[int, dict[str, Any]]]:
+        """The same events, listed once and read `TAIL_READERS` at a time: what a start does,
+        whose tail after the snapshot holds up to `SNAPSHOT_EVERY` - 1 entries."""
+        seqs: list[int] = []
+        for key in self.store.list_keys(LOG_PREFIX, start_after=log_key(self.last_seq)):
             seq = int(key[len(LOG_PREFIX) :].removesuffix(".json"))
-            if seq != self.last_seq + 2 + len(later):
+            if seq != self.last_seq + 1 + len(seqs):
                 break
-            later.append(seq)
-        if later:
-            with ThreadPoolExecutor(TAIL_READERS) as pool:
-                for seq, event in zip(later, pool.map(self._fetch_event, later), strict=True):
-                    if event is None:
-                        break
-                    events.append((seq, event))
+            seqs.append(seq)
+        events = []
+        with ThreadPoolExecutor(TAIL_READERS) as pool:
+            for seq, event in zip(seqs, pool.map(self._fetch_event, seqs), strict=True):
+                if event is None:
+                    break
+                events.append((seq, event))
         return events
 
     def _fetch_event(self, seq: int) -> dict[str, Any] | None:

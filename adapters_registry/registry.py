@@ -218,11 +218,13 @@ class AdapterRegistry:
         await self._reconcile()
 
     async def _refresh_locked(self) -> None:
-        if self.catalog.last_seq == 0:
+        fetch = self.catalog.fetch_events
+        if self.catalog.last_seq == 0:  # a start: the snapshot, then the log after it at once
             snap = await asyncio.to_thread(self.catalog.fetch_snapshot)
             if snap is not None:
                 self.catalog.load_snapshot(snap)
-        for seq, event in await asyncio.to_thread(self.catalog.fetch_events):
+            fetch = self.catalog.fetch_tail
+        for seq, event in await asyncio.to_thread(fetch):
             self.catalog.apply(seq, event)
         self._publish_counts()
 

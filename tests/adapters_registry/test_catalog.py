@@ -31,11 +31,12 @@ def append(cat: Catalog, event: dict) -> int:
 
 
 def replay(store: LocalStore | S3Store) -> Catalog:
+    """A start's read: the snapshot, then the log after it."""
     cat = Catalog(store)
     snap = cat.fetch_snapshot()
     if snap:
         cat.load_snapshot(snap)
-    for seq, event in cat.fetch_events():
+    for seq, event in cat.fetch_tail():
         cat.apply(seq, event)
     return cat
 
@@ -125,34 +126,37 @@ class _CountingS3Store(S3Store):
         return super().list_keys(prefix, start_after, nested=nested)
 
 
-def test_a_poll_costs_one_get_until_the_log_grows(bucket: str, s3_endpoint: str) -> None:
+def test_a_start_lists_the_log_once_and_a_poll_never(bucket: str, s3_endpoint: str) -> None:
     settings = RegistrySettings(s3_endpoint_url=s3_endpoint)
     writer = Catalog(S3Store(bucket, "polled", settings))
     for i in range(1, 21):
         append(writer, Catalog.register_event(record(f"bot{i}", f"{i:064x}", i), pinned=False))
     store = _CountingS3Store(bucket, "polled", settings)
-    follower = replay(store)  # a start: the tail of 20 entries, read 8 at a time
+    follower = replay(store)  # the tail of 20 entries, read 8 at a time
     assert follower.names() == writer.names() and follower.last_seq == 20
+    assert (store.gets, store.lists) == (20, 2)  # the snapshots' listing and the log's
     store.gets = store.lists = 0
     assert follower.fetch_events() == [] and (store.gets, store.lists) == (1, 0)
     for i in range(21, 24):
         append(writer, Catalog.register_event(record(f"bot{i}", f"{i:064x}", i), pinned=False))
     assert [seq for seq, _ in follower.fetch_events()] == [21, 22, 23]
+    assert (store.gets, store.lists) == (1 + 4, 0)
 
 
-def test_the_log_is_read_up_to_its_first_gap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read", ["fetch_events", "fetch_tail"])
+def test_the_log_is_read_up_to_its_first_gap(tmp_path: Path, read: str) -> None:
     """An entry whose write has not landed yet hides the ones after it until it does."""
     store = LocalStore(tmp_path)
     events = {seq: Catalog.event("pin", "x", pinned=bool(seq % 2)) for seq in range(1, 7)}
     for seq in (1, 2, 3, 5, 6):
         store.put_bytes(catalog_module.log_key(seq), json.dumps(events[seq]).encode())
     cat = Catalog(store)
-    read = cat.fetch_events()
-    assert [seq for seq, _ in read] == [1, 2, 3]
-    for seq, event in read:
+    got = getattr(cat, read)()
+    assert [seq for seq, _ in got] == [1, 2, 3]
+    for seq, event in got:
         cat.apply(seq, event)
     store.put_bytes(catalog_module.log_key(4), json.dumps(events[4]).encode())
-    assert [(seq, e["id"]) for seq, e in cat.fetch_events()] == [
+    assert [(seq, e["id"]) for seq, e in getattr(cat, read)()] == [
         (seq, events[seq]["id"]) for seq in (4, 5, 6)
     ]
 
