@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -143,12 +144,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2000, help="admissions per mode")
     parser.add_argument("--timeout-s", type=float, default=0.25)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]  # the machine's other work shows in the tails
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp)).start()
         try:
             rows = asyncio.run(run(args, redis))
         finally:
             redis.kill()
+    load = {"load_average_1m": [load_before, os.getloadavg()[0]]}
     local, shared, hung_row = rows
     print(f"{'':28}{'local':>12}{'redis':>12}{'ratio':>8}")
     for key in local:
@@ -157,8 +160,8 @@ def main() -> None:
     print(f"hung redis (timeout {args.timeout_s} s): " + ", ".join(
         f"{k} {v:.1f}" for k, v in hung_row.items() if k != "mode"
     ))  # fmt: skip
-    meta = {**stamp(), "config": {"n": args.n, "timeout_s": args.timeout_s,
-                                  "concurrency": CONCURRENCY}}  # fmt: skip
+    meta = {**stamp(), **load, "config": {"n": args.n, "timeout_s": args.timeout_s,
+                                          "concurrency": CONCURRENCY}}  # fmt: skip
     path = append_rows("quota_store", [{**meta, **row} for row in rows])
     print(f"rows appended to {path}")
 
