@@ -193,6 +193,14 @@ class Catalog:
             )
         return versions[matches[0]]
 
+    def all_versions(self) -> set[str]:
+        """Every version any name has (current or in its history)."""
+        return {v for versions in self._versions.values() for v in versions}
+
+    def referenced_blobs(self) -> set[str]:
+        """The sha256 of every file of every version any name has."""
+        return {f.sha256 for vs in self._versions.values() for r in vs.values() for f in r.files}
+
     def live_engine_ids(self) -> frozenset[int]:
         """Engine ids of every version still reachable by a registered name."""
         if self._live_ids is None:

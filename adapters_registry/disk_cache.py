@@ -271,6 +271,14 @@ class DiskCache:
             return
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def retain(self, versions: set[str]) -> list[str]:
+        """Remove every cached version not in `versions` and not in use; those removed."""
+        with self._lock:
+            doomed = [v for v in self._index if v not in versions and v not in self._in_use]
+            for version in doomed:
+                self._discard(version)
+        return doomed
+
     def evict(self, version: str) -> bool:
         """Remove `version` unless absent or in use; True if it was removed."""
         with self._lock:

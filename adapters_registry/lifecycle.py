@@ -8,8 +8,9 @@
         ...  # registry.lease(name) / registry.names() for the gateway, the rest for admin routes
 
 Start-up reads the base model's config and safetensors headers, rebuilds the disk cache index from
-disk, reads the catalog (snapshot + log tail), registers the adapters of `registry.local_dir` (or
-`seed_dir`; idempotent: unchanged ones are already there), then polls the store every
+disk, reads the catalog (snapshot + log tail), removes what killed processes left in the store and
+the disk cache (`cleanup`), registers the adapters of `registry.local_dir` (or `seed_dir`;
+idempotent: unchanged ones are already there), then polls the store every
 `registry.poll_interval_s` for other replicas' changes until the block exits.
 """
 
@@ -26,6 +27,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.base import AdapterError
 from loraplex.adapters_registry.base_model import load_base_model_spec
+from loraplex.adapters_registry.cleanup import sweep_leftovers
 from loraplex.adapters_registry.disk_cache import DiskCache
 from loraplex.adapters_registry.engine import EngineLoraControl
 from loraplex.adapters_registry.metrics import RegistryMetrics
@@ -107,6 +109,7 @@ async def open_adapter_source(
         cache_root=cache_root, metrics_registry=metrics_registry,
     )  # fmt: skip
     try:
+        await sweep_leftovers(registry)
         folder = settings.local_dir or seed_dir
         if folder is not None:
             await seed(registry, folder)

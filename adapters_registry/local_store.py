@@ -1,21 +1,27 @@
 """A local directory as an object store: the embedded default, and tests that need no S3.
 
-Writes go to a temporary file renamed into place, so a reader never sees half an object;
-exclusive creation uses `os.link`, which fails atomically if the key exists.
+Writes go to a temporary file (`.tmp-*`) renamed into place, so a reader never sees half an
+object; exclusive creation uses `os.link`, which fails atomically if the key exists. Replicas may
+share a directory (on one host, or NFS): each holds a shared flock on its `.users` file for its
+life (`claim_users_lock`), so start-up can tell whether any other process uses the store.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import BinaryIO
 
 from loraplex.adapters_registry.store import ObjectExists, ObjectMissing, Progress
 
 _CHUNK = 1 << 20
+_TEMP_PREFIX = ".tmp-"
+_USERS_FILE = ".users"
 
 
 class LocalStore:
@@ -32,6 +38,25 @@ class LocalStore:
         self.uri = str(self.root)
         self._read_links = read_links
         self._device = self.root.stat().st_dev
+        self._users_fd: int | None = None
+
+    def claim_users_lock(self) -> bool:
+        """Become one of the store's users for the life of this object. True: no other process
+        uses it, and none may until `share_users_lock` (they wait in this call); False: others
+        do (this call waited for one's exclusive hold to end). Blocking."""
+        if self._users_fd is None:
+            self._users_fd = os.open(self.root / _USERS_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+            return False
+
+    def share_users_lock(self) -> None:
+        """Let other processes use the store beside this one (after `claim_users_lock`)."""
+        if self._users_fd is not None:
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
     def _path(self, key: str) -> Path:
         path = Path(os.path.normpath(self.root / key))
@@ -72,7 +97,7 @@ class LocalStore:
 
     def _temp_beside(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
         os.close(fd)
         return Path(name)
 
@@ -110,7 +135,7 @@ class LocalStore:
             if not nested:
                 dirs.clear()  # this folder's files only
             for f in files:
-                if f.startswith(".tmp-"):
+                if f.startswith(_TEMP_PREFIX) or (dirpath == str(self.root) and f == _USERS_FILE):
                     continue
                 key = Path(dirpath, f).relative_to(self.root).as_posix()
                 if key > start_after:
@@ -124,6 +149,32 @@ class LocalStore:
                 if progress:
                     progress(len(chunk))
 
+    def modified(self, key: str) -> float:
+        try:
+            return self._path(key).stat().st_mtime
+        except FileNotFoundError as e:
+            raise ObjectMissing(key) from e
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError as e:
+            raise ObjectMissing(key) from e
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def remove_partial_writes(self, older_than_s: float) -> list[str]:
+        removed = []
+        cutoff = time.time() - older_than_s
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                path = Path(dirpath, f)
+                if f.startswith(_TEMP_PREFIX) and _mtime(path) < cutoff:
+                    path.unlink(missing_ok=True)
+                    removed.append(path.relative_to(self.root).as_posix())
+        return removed
+
     def upload(self, src: Path, key: str, progress: Progress | None = None) -> None:
         path = self._path(key)
         tmp = self._temp_beside(path)
@@ -134,3 +185,11 @@ class LocalStore:
             tmp.unlink(missing_ok=True)
         if progress:
             progress(path.stat().st_size)
+
+
+def _mtime(path: Path) -> float:
+    """Its modification time; +inf if it is gone (its writer renamed it into place)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")

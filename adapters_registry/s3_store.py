@@ -9,6 +9,7 @@ and a body reset mid-stream is re-requested (`num_download_attempts`). Exclusive
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,48 @@ class S3Store:
             )
         except _FAILURES as e:
             raise _translate(e, key) from e
+
+    def modified(self, key: str) -> float:
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return float(head["LastModified"].timestamp())
+        except _FAILURES as e:
+            raise _translate(e, key) from e
+
+    def touch(self, key: str) -> None:
+        # A copy onto itself is S3's only way to renew LastModified; the managed copy takes
+        # objects past copy_object's 5 GiB in parts.
+        source = {"Bucket": self.bucket, "Key": self._key(key)}
+        try:
+            self._client.copy(
+                source, self.bucket, self._key(key), ExtraArgs={"MetadataDirective": "REPLACE"},
+                Config=self._transfer,
+            )  # fmt: skip
+        except _FAILURES as e:
+            raise _translate(e, key) from e
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except _FAILURES as e:
+            raise _translate(e, key) from e
+
+    def remove_partial_writes(self, older_than_s: float) -> list[str]:
+        cutoff = time.time() - older_than_s
+        args = {"Bucket": self.bucket, "Prefix": self._key("")}
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        removed = []
+        try:
+            for page in self._client.get_paginator("list_multipart_uploads").paginate(**args):
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"].timestamp() < cutoff:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        removed.append(upload["Key"][strip:])
+        except _FAILURES as e:
+            raise _translate(e, "multipart uploads") from e
+        return removed
 
     def upload(self, src: Path, key: str, progress: Progress | None = None) -> None:
         try:

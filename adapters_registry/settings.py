@@ -72,6 +72,14 @@ class RegistrySettings(BaseModel):
         default_factory=lambda: list(get_args(SafetensorsDtype)),
         description="safetensors dtypes an adapter's tensors may have.",
     )
+    orphan_grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description=(
+            "Age a blob no version references (or a partial write) must reach before start-up "
+            "deletes it from a store other replicas use: theirs may be mid-registration."
+        ),
+    )
     delete_drain_s: float = Field(
         default=60.0, ge=0, description="Seconds a deletion waits for in-flight requests to end."
     )

@@ -108,11 +108,15 @@ def _copy(store: ObjectStore, name: str, dest: Path, limit: int, before: int) ->
 
 
 def publish_blobs(store: ObjectStore, folder: Path, files: tuple[FileEntry, ...]) -> None:
-    """Upload each file to its content address unless an object of that size is there already."""
+    """Upload each file to its content address unless an object of that size is there already;
+    one that is, is touched: a start-up sweep on another replica deletes only blobs no version
+    references that have not been modified for a while (`cleanup`), and this one's version is
+    not in the catalog yet."""
     for entry in files:
         key = blob_key(entry.sha256)
         try:
             if store.size(key) == entry.size:
+                store.touch(key)
                 continue
         except ObjectMissing:
             pass

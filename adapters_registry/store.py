@@ -69,6 +69,24 @@ class ObjectStore(Protocol):
         """Store the file `src` under `key` (multipart where supported), replacing it."""
         ...
 
+    def modified(self, key: str) -> float:
+        """When the object was last written or touched (epoch seconds). Raises ObjectMissing."""
+        ...
+
+    def touch(self, key: str) -> None:
+        """Make the object's modification time now, its bytes unchanged. Raises ObjectMissing."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing one is no error."""
+        ...
+
+    def remove_partial_writes(self, older_than_s: float) -> list[str]:
+        """Remove writes that never completed (a process killed mid-write: a local store's
+        `.tmp-*` files, S3's multipart uploads never completed) begun more than `older_than_s`
+        ago; what was removed, by key."""
+        ...
+
 
 # botocore's own check (handlers.VALID_BUCKET), which otherwise fails the first request with a
 # ParamValidationError that reads as the store being down.

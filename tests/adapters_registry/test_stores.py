@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +69,22 @@ def test_large_file_round_trip_with_progress(store: ObjectStore, tmp_path: Path)
     moved.clear()
     store.download("blobs/big", dest, progress=moved.append)
     assert dest.read_bytes() == data and sum(moved) == len(data)
+
+
+def test_modified_touch_and_delete(store: ObjectStore) -> None:
+    """What the start-up sweep relies on (adapters_registry/cleanup.py)."""
+    key = "blobs/sha256/" + "a" * 64
+    store.put_bytes(key, b"bytes")
+    before = store.modified(key)
+    time.sleep(1.1)  # S3's LastModified counts whole seconds
+    store.touch(key)
+    assert store.modified(key) > before and store.get_bytes(key) == b"bytes"
+    store.delete(key)
+    store.delete(key)  # gone already: no error
+    with pytest.raises(ObjectMissing):
+        store.modified(key)
+    with pytest.raises(ObjectMissing):
+        store.touch(key)
 
 
 def test_local_store_refuses_keys_outside_root(tmp_path: Path) -> None:
