@@ -23,7 +23,6 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from loraplex.server.tenancy.errors import RateLimited
 from loraplex.server.tenancy.quotas import Demand, Reservation, refusal, reservation_for
@@ -47,8 +46,9 @@ def _port(port: int | None) -> str:
 
 
 class QuotaStoreError(Exception):
-    """Redis could not be reached, answered an error, or took longer than the timeout. Whether
-    the call took effect is unknown."""
+    """Redis could not be reached, answered an error, or took longer than the timeout (any
+    failure of the call: none may reach a client as a 500). Whether the call took effect is
+    unknown."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class RedisQuotas:
                 return await call
         except TimeoutError as e:
             raise QuotaStoreError(f"no answer within {self._timeout_s} s") from e
-        except (RedisError, OSError) as e:
+        except Exception as e:  # whatever the client raises (RedisError, OSError, a bad reply)
             raise QuotaStoreError(f"{type(e).__name__}: {e}") from e
 
     async def aclose(self) -> None:

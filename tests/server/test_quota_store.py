@@ -436,6 +436,37 @@ def test_open_admits_on_the_replicas_own_quotas_while_redis_is_down(
     run(main)
 
 
+def test_a_redis_answering_errors_counts_as_down(server: RedisServer) -> None:
+    """Redis answers, but refuses every write (min-replicas-to-write 1 without replicas: the
+    scripts' first write fails with NOREPLICAS). Open admits on the replica's own quotas; once
+    writes are allowed again, Redis decides again."""
+    acme = tenant(Quotas(requests_per_minute=100))
+    clock = FakeClock()
+
+    async def refuse_writes(refuse: bool) -> None:
+        client = redis.asyncio.Redis.from_url(server.url)
+        await client.config_set("min-replicas-to-write", "1" if refuse else "0")
+        await client.aclose()
+
+    async def main() -> None:
+        quotas, metrics = shared(server, "open", clock)
+        admission = Admission(TenancySettings(), clock, shared=quotas)
+        await refuse_writes(True)
+        try:
+            await (await admission.enter(acme, Demand(0))).close(0)
+        finally:
+            await refuse_writes(False)
+        assert quotas.state is StoreState.DOWN
+        assert sample(metrics, "loraplex_quota_store_failed_requests_total", operation="acquire")
+        assert sample(metrics, BYPASSED, tenant="acme", failure_mode="open") == 1
+        clock.now += RETRY_S
+        await (await admission.enter(acme, Demand(0))).close(0)
+        assert quotas.state is StoreState.UP
+        await quotas.store.aclose()
+
+    run(main)
+
+
 def test_closed_refuses_503_with_retry_after_and_counts_it(server: RedisServer) -> None:
     """Refused while Redis is down, admitted again once it is back; a tenant without limits
     never needs Redis and is served throughout."""
