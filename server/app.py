@@ -6,9 +6,10 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from loraplex.adapters_registry.lifecycle import open_adapter_source
@@ -18,8 +19,15 @@ from loraplex.server.body_limit import BodyLimitMiddleware
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway
-from loraplex.server.metrics import METRICS_CONTENT_TYPE, GatewayMetrics, exposition
+from loraplex.server.metrics import (
+    METRICS_CONTENT_TYPE,
+    GatewayMetrics,
+    WithoutVersions,
+    exposition,
+)
+from loraplex.server.metrics_access import METRICS_PATH, MetricsAccess, MetricsListenerOnly
 from loraplex.server.model_choice import choose_served_model
+from loraplex.server.request_body import BodyParser
 from loraplex.server.routes import admin_adapters, admin_tenants, health, openai
 from loraplex.server.settings import Settings
 from loraplex.server.tenancy.directory import TenantDirectory
@@ -56,6 +64,22 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
+@asynccontextmanager
+async def _request_workers(
+    settings: Settings,
+) -> AsyncIterator[tuple[BodyParser, ThreadPoolExecutor]]:
+    """The pools that keep work growing with a request's input off the event loop: processes
+    that parse large bodies (request_body.py), threads that template and tokenize (prompts.py)."""
+    parser = BodyParser(settings.http.body_parse_processes)
+    threads = ThreadPoolExecutor(settings.http.prompt_threads, thread_name_prefix="prompt")
+    try:
+        await parser.start()
+        yield parser, threads
+    finally:
+        parser.close()
+        threads.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,6 +100,7 @@ def create_app(settings: Settings) -> FastAPI:
                 ) as adapters,
                 # Tenants live beside the adapter catalog, in the same object store.
                 _tenancy(settings, adapters.store, metrics) as tenancy,
+                _request_workers(settings) as (body_parser, prompt_threads),
             ):
                 log.info(
                     "serving %s from %s with adapters %s",
@@ -83,11 +108,13 @@ def create_app(settings: Settings) -> FastAPI:
                 )  # fmt: skip
                 app.state.adapter_registry = adapters
                 app.state.tenancy = tenancy
+                app.state.body_parser = body_parser
                 app.state.gateway = Gateway(
                     engine=engine,
                     adapters=adapters,
                     base_model=served.name,
                     tenancy=tenancy,
+                    prompt_threads=prompt_threads,
                 )
                 _freeze_startup_heap()
                 yield
@@ -95,6 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.gateway = None
             app.state.adapter_registry = None
             app.state.tenancy = None
+            app.state.body_parser = None
             engine.shutdown()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
@@ -102,13 +130,19 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.gateway = None
     app.state.tenancy = None
     app.state.adapter_registry = None
+    app.state.body_parser = None
     metrics = GatewayMetrics(CollectorRegistry(), settings.tenancy.adapter_label_top_k)
     metrics.watch_queues(lambda: app.state.tenancy.queue_snapshot() if app.state.tenancy else {})
     metrics.watch_engine(lambda: app.state.gateway is not None and app.state.gateway.engine.healthy)
     install_json_handler()
     # The last added runs first: access logging wraps the body cap, so a 413 is logged and counted.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.http.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.http.max_body_bytes,
+        timeout_s=settings.http.body_timeout_s,
+    )
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    app.add_middleware(MetricsListenerOnly, metrics_port=settings.http.metrics_port)
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(health.router)
@@ -116,9 +150,16 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(admin_tenants.router)
 
     # vLLM (and the adapter registry) register in prometheus_client's default registry; the
-    # gateway's metrics live in this app's own registry. Both are served here.
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
-        return Response(exposition(REGISTRY, metrics.registry), media_type=METRICS_CONTENT_TYPE)
+    # gateway's metrics live in this app's own registry. Both are served here, to those
+    # metrics_access lets in.
+    access = MetricsAccess(settings.http)
+    if access.warning:
+        log.warning(access.warning)
+    vllm_metrics = WithoutVersions(REGISTRY)
+
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def prometheus_metrics(request: Request) -> Response:
+        access.check(request.scope, request.headers.get("authorization"))
+        return Response(exposition(vllm_metrics, metrics.registry), media_type=METRICS_CONTENT_TYPE)
 
     return app

@@ -1,13 +1,18 @@
-"""A cap on the size of request bodies, enforced before anything parses them.
+"""A cap on the size of request bodies and on the time they take, enforced before anything parses
+them.
 
-Without it a body of any size is read whole into memory and parsed on the event loop (and its
-prompt tokenized there too), so one huge request stalls every stream the server is sending. A body
-over `http.max_body_bytes` is answered 413 in OpenAI's error envelope, naming the setting and its
-value: at once when its Content-Length says so, otherwise as soon as the bytes read pass the cap.
-A body within the cap is buffered (it is bounded) and handed to the app unchanged.
+Without it a body of any size is read whole into memory, so one huge request holds memory and
+the work of parsing it. A body over `http.max_body_bytes` is answered 413 in OpenAI's error
+envelope, naming the setting and its value: at once when its Content-Length says so, otherwise as
+soon as the bytes read pass the cap. A body that has not all arrived `http.body_timeout_s` after
+its headers is answered 408 (a client trickling it would otherwise hold its connection, and the
+request, as long as it liked). A body within both is buffered (it is bounded) and handed to the
+app unchanged.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -23,19 +28,40 @@ _DRAIN_MAX_BYTES = 256 * 1024 * 1024
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read(scope, receive)
+        except TimeoutError:
+            message = (
+                f"The request body did not arrive within {self.timeout_s:g} s "
+                "(setting `http.body_timeout_s`)."
+            )
+            await _close_with(scope, receive, send, 408, message, "timeout")
+            return
+        if isinstance(body, str):
+            message = (
+                f"The request body {body}; the limit is {self.max_bytes} bytes "
+                "(setting `http.max_body_bytes`)."
+            )
+            await _close_with(scope, receive, send, 413, message, "request_too_large")
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, scope: Scope, receive: Receive) -> list[Message] | str:
+        """The body's messages, or how it passed the cap (its rest read and dropped)."""
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and (length := int(declared)) > self.max_bytes:
             await _drain(receive)
-            await self._refuse(scope, receive, send, f"is {length} bytes")
-            return
+            return f"is {length} bytes"
         messages: list[Message] = []
         size = 0
         while True:
@@ -47,20 +73,18 @@ class BodyLimitMiddleware:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await _drain(receive)
-                await self._refuse(scope, receive, send, f"passed {self.max_bytes} bytes")
-                return
+                return f"passed {self.max_bytes} bytes"
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(messages, receive), send)
+        return messages
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
-        message = (
-            f"The request body {size}; the limit is {self.max_bytes} bytes "
-            "(setting `http.max_body_bytes`)."
-        )
-        body = error_body(message, "invalid_request_error", "request_too_large")
-        response = JSONResponse(body, status_code=413, headers={"connection": "close"})
-        await response(scope, receive, send)
+
+async def _close_with(
+    scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
+) -> None:
+    body = error_body(message, "invalid_request_error", code)
+    response = JSONResponse(body, status_code=status, headers={"connection": "close"})
+    await response(scope, receive, send)
 
 
 async def _drain(receive: Receive) -> None:

@@ -46,8 +46,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from loraplex.server import serving
     from loraplex.server.app import create_app
     from loraplex.server.engine.builder import parse_vllm_args
 
@@ -61,13 +60,7 @@ def serve(args: argparse.Namespace) -> int:
         level=settings.http.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    uvicorn.run(
-        create_app(settings),
-        host=settings.http.host,
-        port=settings.http.port,
-        log_level=settings.http.log_level,
-        timeout_graceful_shutdown=5,
-    )
+    serving.run(create_app(settings), settings.http)
     return 0
 
 

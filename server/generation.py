@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AsyncExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,9 @@ class Gateway:
     adapters: AdapterSource
     base_model: str
     tenancy: Tenancy
+    # Templating and tokenizing (prompts.py says why off the event loop); the lifespan passes
+    # one sized by http.prompt_threads and shuts it down.
+    prompt_threads: Executor = field(default_factory=lambda: ThreadPoolExecutor(1))
     created: int = field(default_factory=lambda: int(time.time()))  # for /v1/models
 
 
@@ -87,13 +91,21 @@ class Prepared:
     admitted: Admitted = field(init=False)  # set by `complete` once tenancy admits the request
 
 
-def _prepare(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Prepared:
-    """Everything that can be refused with a 400, done before any queueing or adapter loading."""
-    tokenizer = gw.engine.tokenizer
+def _prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    tokenizer, max_model_len = gw.engine.tokenizer, gw.engine.max_model_len
     if isinstance(body, ChatCompletionRequest):
-        ids, kind, prefix = chat_prompt_ids(tokenizer, body), "chat", "chatcmpl-"
+        return chat_prompt_ids(tokenizer, body, max_model_len)
+    return completion_prompt_ids(tokenizer, body, max_model_len)
+
+
+async def _prepare(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    """Everything that can be refused with a 400, done before any queueing or adapter loading."""
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(gw.prompt_threads, _prompt_ids, gw, body)
+    if isinstance(body, ChatCompletionRequest):
+        kind, prefix = "chat", "chatcmpl-"
     else:
-        ids, kind, prefix = completion_prompt_ids(tokenizer, body), "text", "cmpl-"
+        kind, prefix = "text", "cmpl-"
     max_tokens = output_budget(body, len(ids), gw.engine.max_model_len)
     try:
         params = to_sampling_params(body, max_tokens)
@@ -185,7 +197,9 @@ async def _collect(gw: Gateway, body: Any, prep: Prepared) -> dict[str, Any]:
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    # allow_nan=False: a NaN would be written as the bare word NaN, which is not JSON (responses
+    # keep logprobs finite; anything else raises and ends the stream with an error event).
+    return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=False)}\n\n".encode()
 
 
 async def _stream(request: Request, gw: Gateway, body: Any, prep: Prepared) -> AsyncIterator[bytes]:
@@ -287,7 +301,7 @@ async def complete(
             raise ModelNotFound(body.model)
         with _as_client_errors(body.model):  # before admission: no adapter, no quota spent
             gw.adapters.resolve(body.model)
-    prep = _prepare(gw, body)
+    prep = await _prepare(gw, body)
     stack = AsyncExitStack()
     try:
         # Quotas and the queue bound come before the lease, so a refused request never fetches

@@ -6,6 +6,7 @@ OpenAI clients expect for chat (`chat.completion[.chunk]`) and text (`text_compl
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,7 +19,14 @@ MIN_LOGPROB = -9999.0
 
 
 def _logprob(logprob: Any) -> float:
-    return max(float(logprob.logprob), MIN_LOGPROB)
+    """A finite number in [MIN_LOGPROB, 0], whatever the engine computed: NaN (logits poisoned
+    by a broken adapter) says no more than a masked token and is sent as MIN_LOGPROB, +inf as
+    0 (no log-probability is above it). NaN and infinities are not JSON: a whole response
+    holding one was a 500, a stream carried the bare word NaN."""
+    value = float(logprob.logprob)
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return min(max(value, MIN_LOGPROB), 0.0)
 
 
 def _ranked(position: dict[int, Any], top: int) -> list[tuple[int, Any]]:

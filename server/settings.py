@@ -257,6 +257,88 @@ class HttpSettings(BaseModel):
         description="Largest request body accepted (bytes); a larger one is answered 413. "
         "8 MiB holds a 128k-token prompt with room to spare.",
     )
+    body_parse_processes: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Worker processes that parse request bodies over 16 KiB, off the event loop "
+        "and its GIL (server/request_body.py): large bodies wait for one of them, small ones "
+        "never do. Each holds ~60 MB.",
+    )
+    prompt_threads: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Threads that render chat templates and tokenize prompts (their "
+        "tokenizers release the GIL); prompts wait for one of them.",
+    )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token that /metrics on the API's listener requires (the admin token "
+        "is accepted too). Works on any address and behind any proxy, but every scraper needs "
+        "the secret. Without it (and without metrics_port) the API's listener serves /metrics "
+        "only while `host` is a loopback address, and answers 403 otherwise.",
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="A second listener, on metrics_host:metrics_port, that serves /metrics only "
+        "and asks no token: for scrapers that cannot send one (an endpoint picker). Only its "
+        "address keeps it private: bind a private one (127.0.0.1 for a sidecar, the pod's "
+        "address in Kubernetes) and keep the port out of Services and load balancers. Without "
+        "metrics_token, the API's listener then answers /metrics 404.",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address of the /metrics listener (with metrics_port)."
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        le=3600.0,
+        description="Time from a connection's first byte (or a request's) to the end of its "
+        "headers; a slower client is answered 408 and disconnected, so trickling clients cannot "
+        "hold connections.",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        le=3600.0,
+        description="Time from the end of a request's headers to the end of its body (408 "
+        "past it): a max_body_bytes body needs at least max_body_bytes / body_timeout_s bytes "
+        "per second (8 MiB in 60 s: 1.1 Mbit/s).",
+    )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Largest request line plus headers accepted (bytes); a larger one is "
+        "answered 431 and disconnected.",
+    )
+    max_connections_per_client: int | None = Field(
+        512,
+        ge=1,
+        description="Open connections one client address may hold; one more is answered 429 "
+        "and closed. Behind a proxy every client shares the proxy's address: raise it, or set "
+        "None (`none` in an environment variable) and bound connections at the proxy. 512 is "
+        "about twice what the gateway runs or queues at once by default "
+        "(tenancy.max_running + max_queued = 272).",
+    )
+
+    @field_validator("max_connections_per_client", mode="before")
+    @classmethod
+    def _none_from_environment(cls, value: Any) -> Any:
+        # As engine.paced_prefill_tokens: no string from an environment variable parses as None.
+        if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _check_metrics_listener(self) -> HttpSettings:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(
+                f"http.metrics_port ({self.metrics_port}) must differ from http.port ({self.port})"
+            )
+        return self
 
 
 class Settings(BaseSettings):
@@ -299,7 +381,7 @@ class ConfigError(ValueError):
 
 # Config errors never repeat these values: the CLI prints the error, and logs keep it. Where a
 # key is misspelt (`api_key`, `admin-token`), pydantic reports the unknown key with its value.
-SECRET_FIELDS = frozenset({"api_keys", "admin_token", "quota_store"})
+SECRET_FIELDS = frozenset({"api_keys", "admin_token", "quota_store", "metrics_token"})
 
 
 def _holds_a_section(value: object) -> bool:

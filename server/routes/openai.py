@@ -1,30 +1,91 @@
-"""The OpenAI-compatible routes: thin, all work happens in `generation.complete`."""
+"""The OpenAI-compatible routes: thin, all work happens in `generation.complete`.
+
+Bodies are parsed by `request_body` (large ones in worker processes), not by FastAPI, which
+would parse them on the event loop; the OpenAPI document still describes them.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
-from loraplex.server.deps import GatewayDep
+from loraplex.server.deps import GatewayDep, app_resource
+from loraplex.server.errors import ApiError
 from loraplex.server.generation import complete
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.tenancy.deps import TenantDep
 
 router = APIRouter(prefix="/v1")
 
+M = TypeVar("M", bound=BaseModel)
 
-@router.post("/chat/completions", response_model=None)
+
+class ClientClosedRequest(ApiError):
+    """The client left before its body arrived: nobody reads the answer, the access log does."""
+
+    status = 499  # nginx's "client closed request", as generation records a client that left
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
+def _json_body(model: type[M]) -> Any:
+    """A dependency: the request's body as `model`. It depends on the tenant, so a request
+    without a valid key is refused before its body is parsed."""
+
+    async def parse(request: Request, gateway: GatewayDep, _: TenantDep) -> M:
+        parser = app_resource(request, "body_parser")
+        try:
+            raw = await request.body()
+        except ClientDisconnect as e:
+            raise ClientClosedRequest("The client closed the connection.") from e
+        return await parser.parse(
+            raw,
+            request.headers.get("content-type"),
+            model,
+            max_prompt_tokens=gateway.engine.max_model_len,
+        )
+
+    return Depends(parse)
+
+
+def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with each `{"$ref": "#/$defs/X"}` replaced by X (the models are not recursive)."""
+    if isinstance(schema, dict):
+        if (ref := schema.get("$ref", "")).startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline_refs(v, defs) for v in schema]
+    return schema
+
+
+def _documented_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The route's OpenAPI `requestBody`, as FastAPI would have written it for `model`."""
+    schema = model.model_json_schema()
+    inlined = _inline_refs(schema, schema.get("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inlined}}}}
+
+
+ChatBody = Annotated[ChatCompletionRequest, _json_body(ChatCompletionRequest)]
+CompletionBody = Annotated[CompletionRequest, _json_body(CompletionRequest)]
+
+
+@router.post(
+    "/chat/completions", response_model=None, openapi_extra=_documented_body(ChatCompletionRequest)
+)
 async def chat_completions(
-    request: Request, body: ChatCompletionRequest, gateway: GatewayDep, tenant: TenantDep
+    request: Request, gateway: GatewayDep, tenant: TenantDep, body: ChatBody
 ) -> Response:
     return await complete(request, gateway, body, tenant)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, openapi_extra=_documented_body(CompletionRequest))
 async def completions(
-    request: Request, body: CompletionRequest, gateway: GatewayDep, tenant: TenantDep
+    request: Request, gateway: GatewayDep, tenant: TenantDep, body: CompletionBody
 ) -> Response:
     return await complete(request, gateway, body, tenant)
 

@@ -260,9 +260,14 @@ def _sample_names(family_name: str, kind: str) -> set[str]:
 
 
 def loraplex_metric_names(app: FastAPI) -> set[str]:
-    """Sample names of loraplex's own metrics: the app's /metrics (rendered without an engine)
-    and the adapter registry's, which the registry registers once it starts."""
-    text = TestClient(app).get("/metrics").text
+    """Sample names of loraplex's own metrics: the app's /metrics (rendered without an engine,
+    as its metrics listener serves it where the settings name one) and the adapter registry's,
+    which the registry registers once it starts."""
+    port = app.state.settings.http.metrics_port
+    client = TestClient(app, base_url=f"http://testserver:{port}" if port else "http://testserver")
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    text = response.text
     text += generate_latest(RegistryMetrics(CollectorRegistry()).collector_registry).decode()
     names: set[str] = set()
     for family in text_string_to_metric_families(text):

@@ -11,14 +11,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.loadgen.server import LiveServer, live_server
+from bench.loadgen.server import LiveServer, free_port, live_server
 from loraplex.server.settings import default_cache_dir
 from tests.support.bystanders import BOB_ADAPTER, CAROL_ADAPTER, CONFIG, Bystanders, admin
 
 
 @pytest.fixture(scope="package")
-def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(CONFIG, tmp_path_factory.mktemp("security")) as live:
+def metrics_port() -> int:
+    """The shared server's metrics listener (http.metrics_port), on 127.0.0.1."""
+    return free_port()
+
+
+@pytest.fixture(scope="package")
+def shared_server(
+    tmp_path_factory: pytest.TempPathFactory, metrics_port: int
+) -> Iterator[LiveServer]:
+    config = {**CONFIG, "http": {**CONFIG["http"], "metrics_port": metrics_port}}
+    with live_server(config, tmp_path_factory.mktemp("security")) as live:
         demo = default_cache_dir() / "demo-adapters"
         for name, folder in ((BOB_ADAPTER, "demo-attn"), (CAROL_ADAPTER, "demo-mlp")):
             r = admin(

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
-
 from bench.loadgen.polling import wait_until
 from bench.loadgen.server import LiveServer
-from tests.support.bystanders import BOB_KEY, MALLORY_KEY, Bystanders, as_tenant, base_model
+from tests.support.bystanders import (
+    BOB_KEY,
+    MALLORY_KEY,
+    Bystanders,
+    as_tenant,
+    base_model,
+    metrics_text,
+)
 
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
 def _counter(server: LiveServer, name: str) -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    text = metrics_text(server)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

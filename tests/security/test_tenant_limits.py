@@ -21,7 +21,14 @@ import pytest
 
 from bench.loadgen.polling import wait_until
 from bench.loadgen.server import LiveServer
-from tests.support.bystanders import MALLORY_KEY, Bystanders, admin, as_tenant, base_model
+from tests.support.bystanders import (
+    MALLORY_KEY,
+    Bystanders,
+    admin,
+    as_tenant,
+    base_model,
+    metrics_text,
+)
 
 
 def _error(r: httpx.Response) -> dict[str, Any]:
@@ -103,7 +110,7 @@ def _gauges(server: LiveServer) -> dict[str, float]:
         "vllm:num_requests_waiting": "engine_waiting",
     }
     values = {name: 0.0 for name in watched.values()}
-    for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines():
+    for line in metrics_text(server).splitlines():
         for prefix, name in watched.items():
             if line.startswith(prefix):
                 values[name] += float(line.rsplit(" ", 1)[1])

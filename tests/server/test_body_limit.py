@@ -16,6 +16,7 @@ from loraplex.server.body_limit import BodyLimitMiddleware
 
 pytestmark = pytest.mark.anyio
 LIMIT = 1024
+TIMEOUT_S = 5.0
 
 
 def _echo_app() -> tuple[Starlette, list[bytes]]:
@@ -26,7 +27,7 @@ def _echo_app() -> tuple[Starlette, list[bytes]]:
         return Response(seen[-1])
 
     app = Starlette(routes=[Route("/echo", echo, methods=["POST"])])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=LIMIT)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=LIMIT, timeout_s=TIMEOUT_S)
     return app, seen
 
 

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "loraplex.json"
 KEYS = {t: f"{t}-key-for-prometheus-test-0123456789" for t in ("a", "b", "limited")}
+METRICS_TOKEN = "metrics-token-for-prometheus-test-0123456789"
 LOAD_S = 40.0
 
 
@@ -49,13 +50,18 @@ def rules() -> list[dict[str, Any]]:
 
 @contextlib.contextmanager
 def prometheus(target: str, workdir: Path) -> Iterator[str]:
-    """Debian's prometheus with the repository's config, scraping `target` every second."""
+    """Debian's prometheus with the repository's config, scraping `target` every second with
+    this test's metrics token (the repository's file holds the compose demo's)."""
     exe = shutil.which("prometheus")
     assert exe, "prometheus not found: install Debian's `prometheus` package (scripts/setup.sh)"
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(PROMETHEUS_DIR / f) for f in config["rule_files"]]
     config["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
+    (workdir / "metrics-token").write_text(METRICS_TOKEN)
+    config["scrape_configs"][0]["authorization"]["credentials_file"] = str(
+        workdir / "metrics-token"
+    )
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     with (workdir / "prometheus.log").open("wb") as log:
@@ -97,7 +103,7 @@ def loaded(
 ) -> Iterator[tuple[LiveServer, str, list[Sample]]]:
     workdir = tmp_path_factory.mktemp("prometheus-live")
     config = {
-        "http": {"admin_token": ADMIN_TOKEN},
+        "http": {"admin_token": ADMIN_TOKEN, "metrics_token": METRICS_TOKEN},
         "tenancy": {
             "tenants": [
                 {"id": "a", "api_keys": [KEYS["a"]]},

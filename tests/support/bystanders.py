@@ -22,11 +22,22 @@ CAROL_KEY = "carol-key-for-security-tests-01234"
 BOB_ADAPTER = "bob/helper"
 CAROL_ADAPTER = "carol/helper"
 
+METRICS_TOKEN = "metrics-token-for-security-tests-0123456789"
+
 CONFIG: dict[str, Any] = {
     # fp32: greedy tokens on the CPU engine do not depend on batch composition in practice, so
     # a bystander's output beside an attack can be compared byte for byte with its clean run.
     "engine": {"dtype": "float32"},
-    "http": {"admin_token": ADMIN_TOKEN},
+    # /metrics needs METRICS_TOKEN on the API's listener (`metrics_text`); the conftest adds a
+    # metrics listener (http.metrics_port) on a free port. Read deadlines and the cap per client
+    # address are short, so the connection cases run in seconds.
+    "http": {
+        "admin_token": ADMIN_TOKEN,
+        "metrics_token": METRICS_TOKEN,
+        "header_timeout_s": 2.0,
+        "body_timeout_s": 3.0,
+        "max_connections_per_client": 32,
+    },
     "tenancy": {
         "tenants": [
             {"id": "mallory", "api_keys": [MALLORY_KEY]},
@@ -47,6 +58,14 @@ def as_tenant(
 ) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"}
     return httpx.post(server.base_url + path, json=body, headers=headers, timeout=timeout)
+
+
+def metrics_text(server: LiveServer) -> str:
+    """The shared server's /metrics, read with its metrics token."""
+    headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    r = httpx.get(server.base_url + "/metrics", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.text
 
 
 def base_model(server: LiveServer) -> str:

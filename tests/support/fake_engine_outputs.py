@@ -7,6 +7,8 @@ import types
 
 
 class Tokenizer:
+    max_chars_per_token = 16  # what vLLM's cached tokenizers say; bounds a prompt's characters
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [1, 2, 3]
 

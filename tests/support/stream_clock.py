@@ -68,7 +68,7 @@ async def _cold_first_token(client: AsyncOpenAI, model: str, cold: dict[str, Any
 
 
 async def _main(args: argparse.Namespace) -> None:
-    client = AsyncOpenAI(base_url=f"{args.base_url}/v1", api_key="none", max_retries=0)
+    client = AsyncOpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key, max_retries=0)
     times: list[list[float]] = [[] for _ in args.model]
     tasks = [
         asyncio.create_task(_stream(client, m, args.max_tokens, times[i]))
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument("--warm-tokens", type=int, default=5)
     parser.add_argument("--cold-timeout", type=float, default=120.0)
+    parser.add_argument("--api-key", default="none", help="the streams' tenant key")
     asyncio.run(_main(parser.parse_args()))
 
 

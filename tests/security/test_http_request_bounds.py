@@ -1,0 +1,205 @@
+"""Issue 45, finding 7: every numeric field, list and string of a request body has a bound, and a
+value past it is a 400 naming the field and the bound, never a 500 (`top_k` 2**64 was one).
+Logprobs on the wire are always finite JSON numbers. Bodies are parsed by `request_body`: large
+ones in a worker process, whose errors read as the inline parser's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import types
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse
+
+from bench.loadgen.server import LiveServer
+from loraplex.server.protocol import (
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_TOKEN_COUNT,
+    MAX_TOP_K,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from loraplex.server.request_body import BodyParser
+from loraplex.server.responses import (
+    MIN_LOGPROB,
+    ChoiceState,
+    ResponseMeta,
+    chat_logprobs,
+    chunk,
+    text_logprobs,
+    whole_response,
+)
+from tests.support.bystanders import MALLORY_KEY, Bystanders, base_model
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+# --- logprobs on the wire (unit) ------------------------------------------------------------
+
+
+class _Tokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return f"t{ids[0]}"
+
+
+def _position(values: dict[int, float]) -> dict[int, Any]:
+    return {
+        token: types.SimpleNamespace(logprob=value, rank=rank, decoded_token=None)
+        for rank, (token, value) in enumerate(values.items(), start=1)
+    }
+
+
+POISONED = [
+    _position({1: math.nan, 2: math.inf, 3: -math.inf}),
+    _position({2: math.inf, 1: math.nan}),
+    _position({3: -math.inf, 1: -0.5}),
+]
+
+
+def test_nan_and_infinite_logprobs_go_out_as_finite_numbers() -> None:
+    """A batch poisoned by a broken adapter gives NaN logprobs: the wire carries MIN_LOGPROB
+    for NaN and -inf (no probability to report) and 0 for +inf (no log-probability is above
+    it), in whole responses and stream chunks alike, as strict JSON."""
+    ids = [1, 2, 3]
+    chat = chat_logprobs(_Tokenizer(), ids, POISONED, top=3)
+    assert [e["logprob"] for e in chat] == [MIN_LOGPROB, 0.0, MIN_LOGPROB]
+    assert [t["logprob"] for t in chat[0]["top_logprobs"]] == [MIN_LOGPROB, 0.0, MIN_LOGPROB]
+    text = text_logprobs(_Tokenizer(), ids, POISONED, top=2, offset=0)
+    assert text["token_logprobs"] == [MIN_LOGPROB, 0.0, MIN_LOGPROB]
+    assert text["top_logprobs"][2] == {"t3": MIN_LOGPROB, "t1": -0.5}
+    for kind, logprobs in (("chat", chat), ("text", text)):
+        meta = ResponseMeta(kind=kind, id="x", model="m")  # type: ignore[arg-type]
+        state = ChoiceState(0, text="abc", token_count=3, finish_reason="length")
+        state.logprobs = logprobs
+        whole = whole_response(meta, [state], prompt_tokens=2)
+        # Starlette renders whole responses with allow_nan=False (a NaN was a 500 there).
+        assert json.loads(JSONResponse(whole).body) == whole
+        json.dumps(chunk(meta, 0, "abc", None, logprobs), allow_nan=False)
+
+
+# --- the body parser (unit: a real worker process) -------------------------------------------
+
+
+def _errors(raised: pytest.ExceptionInfo[RequestValidationError]) -> list[tuple[Any, str]]:
+    return [(e["loc"], e["msg"]) for e in raised.value.errors()]
+
+
+def test_large_bodies_parse_in_a_worker_as_small_ones_do_inline() -> None:
+    """With a 64-byte inline limit every body below goes to the worker process; the request it
+    returns and the errors it reports are what the inline parse gives."""
+
+    async def parse_both(raw: bytes, model: type[Any]) -> list[Any]:
+        worker = BodyParser(1, inline_max_bytes=64)
+        inline = BodyParser(1)  # never started: everything inline
+        await worker.start()
+        try:
+            out = []
+            for parser in (worker, inline):
+                try:
+                    out.append(await parser.parse(raw, "application/json", model, 2048))
+                except RequestValidationError as e:
+                    out.append(e.errors())
+            return out
+        finally:
+            worker.close()
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}] * 3}
+    in_worker, inline = asyncio.run(parse_both(json.dumps(body).encode(), ChatCompletionRequest))
+    assert in_worker == inline and in_worker.messages[0].content == "ab"
+    ids = json.dumps({"model": "m", "prompt": list(range(3000))}).encode()
+    in_worker, inline = asyncio.run(parse_both(ids, CompletionRequest))
+    assert in_worker == inline
+    assert in_worker[0]["loc"] == ("body", "prompt") and "at most 2048" in in_worker[0]["msg"]
+    broken = b'{"model": "m",\n "messages": [' + b" " * 80 + b"}"
+    in_worker, inline = asyncio.run(parse_both(broken, ChatCompletionRequest))
+    assert in_worker == inline and in_worker[0]["type"] == "json_invalid"
+    assert in_worker[0]["loc"] == ("body", broken.index(b"}"))
+
+
+# --- on the shared server ----------------------------------------------------------------------
+
+
+def _post(server: LiveServer, route: str, raw: bytes) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {MALLORY_KEY}", "content-type": "application/json"}
+    return httpx.post(server.base_url + route, content=raw, headers=headers, timeout=120)
+
+
+def _chat(base: str, **fields: Any) -> dict[str, Any]:
+    return {"model": base, "messages": CHAT, "max_tokens": 2, **fields}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "bound"),
+    [
+        ("chat", {"top_k": 2**64}, "top_k", f"less than or equal to {MAX_TOP_K}"),
+        ("chat", {"top_k": -2}, "top_k", "greater than or equal to -1"),
+        ("chat", {"seed": 2**63}, "seed", "less than 9223372036854775808"),
+        ("chat", {"seed": -(2**63) - 1}, "seed", "greater than or equal to"),
+        ("chat", {"max_tokens": 2**31}, "max_tokens", f"less than or equal to {MAX_TOKEN_COUNT}"),
+        ("chat", {"max_completion_tokens": 2**64}, "max_completion_tokens",
+         f"less than or equal to {MAX_TOKEN_COUNT}"),
+        ("chat", {"min_tokens": 10**30, "max_tokens": None}, "min_tokens",
+         f"less than or equal to {MAX_TOKEN_COUNT}"),
+        ("chat", {"n": MAX_N + 1}, "n", f"less than or equal to {MAX_N}"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+         "less than or equal to 20"),
+        ("text", {"logprobs": 6}, "logprobs", "less than or equal to 5"),
+        ("chat", {"temperature": 1e309}, "temperature", "less than or equal to 2"),
+        ("chat", {"presence_penalty": -1e309}, "presence_penalty", "greater than or equal to -2"),
+        ("chat", {"repetition_penalty": 1e400}, "repetition_penalty", "less than or equal to 2"),
+        ("chat", {"top_p": 1e-400}, "top_p", "greater than 0"),
+        ("chat", {"stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop", f"at most {MAX_STOP_CHARS}"),
+        ("chat", {"messages": CHAT * (MAX_MESSAGES + 1)}, "messages",
+         f"at most {MAX_MESSAGES} items"),
+        ("chat", {"user": "u" * 257}, "user", "at most 256 characters"),
+        ("chat", {"model": "m" * 257}, "model", "at most 256 characters"),
+        ("text", {"prompt": [1] * 2049}, "prompt", "the context holds at most 2048"),
+        ("text", {"prompt": [[1] * 2049]}, "prompt", "the context holds at most 2048"),
+        ("text", {"prompt": [10**30]}, "prompt", "token ids must be in [0, 49152)"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)  # fmt: skip
+def test_a_field_past_its_bound_is_a_400_naming_it(
+    shared_server: LiveServer,
+    bystanders: Bystanders,
+    path: str,
+    fields: dict[str, Any],
+    param: str,
+    bound: str,
+) -> None:
+    base = base_model(shared_server)
+    if path == "chat":
+        route, body = "/v1/chat/completions", _chat(base, **fields)
+    else:
+        route, body = "/v1/completions", {"model": base, "prompt": "Hi", "max_tokens": 2, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = _post(shared_server, route, json.dumps(body).encode())  # Infinity as JSON5 writes it
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and bound in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_json_nested_past_the_parser_limit_is_a_400(
+    shared_server: LiveServer, bystanders: Bystanders
+) -> None:
+    """20,000 levels of arrays: the parser stops at its recursion limit (a few hundred)."""
+    raw = b'{"model": "m", "messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    r = _post(shared_server, "/v1/chat/completions", raw)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] is None and "recursion limit" in error["message"], error
+    bystanders.assert_unchanged()
+
+
+def test_bystanders_unchanged_after_the_bounds(bystanders: Bystanders) -> None:
+    bystanders.assert_unchanged()
