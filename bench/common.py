@@ -1,4 +1,12 @@
-"""What every benchmark shares: the machine/commit stamp and the JSON-rows output."""
+"""What every benchmark shares: the machine/commit stamp and the JSON-rows output.
+
+Result files follow one rule: `<results folder>/<name>.jsonl`, one JSON row a line, each row
+stamped (machine, commit, config). `<name>` is the benchmark's name, lower case with
+underscores (`registry_download`, `fairness`), and for GPU rows ends with the GPU's slug
+(`moe_lora_nvidia_h200`): rows compare only on one GPU model. CPU benchmarks append to
+`bench/results/`; GPU ones write into their run's `--out` folder, whose files are appended to
+the committed ones of the same name in `bench/<kind>/results/`. docs/bench.md lists them.
+"""
 
 from __future__ import annotations
 
@@ -28,10 +36,10 @@ def stamp() -> dict[str, Any]:
     }
 
 
-def append_rows(name: str, rows: list[dict[str, Any]]) -> Path:
-    """Append one JSON object per line to bench/results/<name>.jsonl."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.jsonl"
+def append_rows(name: str, rows: list[dict[str, Any]], folder: Path = RESULTS) -> Path:
+    """Append one JSON object per line to <folder>/<name>.jsonl (bench/results/ by default)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

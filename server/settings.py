@@ -124,9 +124,9 @@ class EngineSettings(BaseModel):
         "to max_loras), and the MoE-LoRA kernels then pick their routing form by the batch's "
         "adapters: with one adapter on every token, a Qwen3-30B-A3B layer's LoRA at 128 tokens "
         "took 58 us sorted against 100 in the form 8 adapters favour "
-        "(kernels/moe_lora_configs.py); end to end (8-layer Qwen3-30B-A3B shape, 128 requests "
+        "(kernels/dispatch.py); end to end (8-layer Qwen3-30B-A3B shape, 128 requests "
         "all on one adapter, H200) 27.3k against 21.0k output tok/s, round robin over 8 "
-        "adapters within noise (bench/e2e/results/e2e_adapter_count_nvidia_h200.json). Costs "
+        "adapters within noise (bench/e2e/results/e2e_adapter_count_nvidia_h200.jsonl). Costs "
         "start-up time and graph memory (there: capture 20 against 13 s, 0.81 against 0.37 GiB). "
         "Needs moe_lora_kernels: the plugin's batch metadata is what makes it safe.",
     )
@@ -221,7 +221,7 @@ class EngineSettings(BaseModel):
         # vLLM 0.26's own batch metadata counts the no-adapter id -1 among the adapters and sorts
         # it first, so in this mode a batch of one adapter beside base-model requests replays the
         # one-adapter graph, whose LoRA kernels cover id -1 only: the adapter's delta is dropped
-        # (seen on the H200: bench/e2e/results/e2e_check_nvidia_h200.json). The plugin's metadata
+        # (seen on the H200: bench/e2e/results/e2e_check_nvidia_h200.jsonl). The plugin's metadata
         # sorts -1 last.
         if self.specialize_active_lora and not self.moe_lora_kernels:
             raise ValueError(

@@ -8,8 +8,8 @@ With the plugin in, the MoE-LoRA routing form of a decode batch is the naive one
 (adapter slot, expert) over all slots, which reads a (slot, expert) once per pair: with one
 adapter on every token, 8 times over at Qwen3-30B-A3B's 128 tokens. Where vLLM captures a graph
 per count of active adapters (`specialize_active_lora`, loraplex's engine setting of that name),
-the plugin knows the count and sorts such batches (`moe_lora_configs.serves_naive`), and vLLM's
-own kernels launch for that many adapters.
+the plugin knows the count and sorts such batches (`REGIMES.naive`, kernels/dispatch.py), and
+vLLM's own kernels launch for that many adapters.
 
 Workload: `bench_e2e`'s Qwen3-30B-A3B-shaped model with dummy weights (`--layers` of them) and
 its rank-32 adapter, the plugin on, REQUESTS requests at once of PROMPT random prompt tokens and
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e.bench_e2e import EXPERTS, I_MOE, H, install_entry_point, make_adapter, make_model
-from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
+from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
 REQUESTS, PROMPT, OUTPUT = 128, 64, 256
 MODES = {"graphs-any-count": False, "graphs-per-count": True}  # mode -> specialize_active_lora
@@ -113,7 +113,7 @@ def main() -> None:
         return
     if ns.install:
         print("plugin entry point in", install_entry_point(ns.install), flush=True)
-    os.environ[ENV_SWITCH] = "1"  # vLLM's engine processes inherit it (loraplex.kernels.plugin)
+    os.environ[ENV_SWITCH] = "1"  # vLLM's engine processes inherit it (kernels/vllm/plugin.py)
     import torch
 
     row = {"mode": ns.mode, "workload": ns.workload, "machine": torch.cuda.get_device_name(),

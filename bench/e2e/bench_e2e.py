@@ -20,7 +20,7 @@ two adapters, in three batches: both adapters, both beside base-model requests, 
 Modes: stock vLLM eager (`check-stock`, the reference), the plugin eager (`check-plugin`), and
 CUDA graphs per adapter count (vLLM's specialize_active_lora) with the plugin
 (`check-plugin-graphs`) and without it (`check-stock-graphs`, vLLM 0.26's own batch metadata,
-which drops an adapter beside base requests there: `lora_mapping.fill_kernel_meta`). `compare`
+which drops an adapter beside base requests there: `batch_metadata.fill_kernel_meta`). `compare`
 counts the requests whose first 16 tokens agree with the reference.
 
 The plugin is found through the `vllm.general_plugins` entry point in pyproject.toml: `--install`
@@ -45,14 +45,14 @@ from typing import Any
 
 from bench.e2e import poison_check
 from bench.e2e.traces import summarize_traces
-from loraplex.kernels.plugin import ENV_SWITCH, compile_cache_config
+from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
 REPO = Path(__file__).resolve().parents[2]
 # Prefills timed back to back in each repetition, each beside its clock and power; prefill_s is
-# the first, which follows the previous repetition's decode, as in rows measured before e266fa3.
-# On the H200 the walls spread 0.37-0.48 s (base) with vLLM's engine core in its own process,
-# back-to-back ones as much as first ones and at the same clock, and within 3% with the engine
-# core in this process (rows marked engine_in_process, 10ab1ef).
+# the first, which follows the previous repetition's decode, as the older rows' single prefill
+# did. On the H200 the walls spread 0.37-0.48 s (base) with vLLM's engine core in its own
+# process, back-to-back ones as much as first ones and at the same clock, and within 3% with the
+# engine core in this process (rows marked engine_in_process).
 PREFILLS_PER_REP = 3
 H, I_MOE, EXPERTS, TOPK, RANK = 2048, 768, 128, 8, 32
 
@@ -479,7 +479,7 @@ def main() -> None:
             print("POISON", mode, json.dumps(entry))
         (ns.out / "e2e_poison.json").write_text(json.dumps(result) + "\n")
         return
-    # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.plugin).
+    # Set before vLLM starts: its engine core and workers inherit it (loraplex.kernels.vllm.plugin).
     os.environ[ENV_SWITCH] = "1" if "plugin" in ns.mode else "0"
     if ns.profile == "host":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -20,7 +20,7 @@ sets (`moe_lora_workload`):
 - copy_floor: a torch device copy moving the floor's bytes (half read, half written).
 
 The floor is the adapter bytes over the copy rate of a 2 GiB copy, as in bench_moe_lora. Rows
-(machine, commit, config, form) go to DIR/decode_anatomy_<gpu>.json.
+(machine, commit, config, form) go to DIR/decode_anatomy_<gpu>.jsonl.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,9 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.moe_lora_configs import MoeLoraConfig, gpu_slug, lookup
-from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
-from loraplex.kernels.moe_lora_workload import (
+from bench.common import append_rows
+from bench.kernels.moe_lora_workload import (
     SHAPES,
     CallSpec,
     copy_bandwidth,
@@ -49,7 +47,9 @@ from loraplex.kernels.moe_lora_workload import (
     served_naive,
     time_interleaved,
 )
-from loraplex.kernels.tune_moe_lora import candidates, shape_key
+from bench.kernels.tune_moe_lora import candidates, shape_key
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, gpu_slug, lookup
+from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
 
 READ_CHUNKS = 16  # chunks per (pair, slice) of the read-only kernel: 8 was 1.7x slower on GPT-OSS
 
@@ -218,10 +218,7 @@ def main() -> None:
                       f"copy_floor {times['copy_floor']:6.2f} empty {times['empty']:4.2f}",
                       flush=True)  # fmt: skip
                 print("   ", " ".join(f"{n}={t:.2f}" for n, t in times.items()), flush=True)
-    ns.out.mkdir(parents=True, exist_ok=True)
-    path = ns.out / f"decode_anatomy_{gpu_slug(gpu)}.json"
-    path.write_text(json.dumps(rows, indent=1) + "\n")
-    print("wrote", path)
+    print("wrote", append_rows(f"decode_anatomy_{gpu_slug(gpu)}", rows, ns.out))
 
 
 if __name__ == "__main__":

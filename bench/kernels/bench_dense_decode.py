@@ -1,5 +1,5 @@
 """Attention LoRA at decode sizes, as a decode step runs it: the base projection GEMM, then the
-LoRA added into its output. Ours (`lora_dense_op`, over launch shapes) against vLLM 0.26's
+LoRA added into its output. Ours (`ops.lora_dense.op`, over launch shapes) against vLLM 0.26's
 `_lora_shrink` + `_lora_expand` on the same inputs, in one run.
 
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_dense_decode.py --commit SHA --out DIR
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -24,9 +23,10 @@ from vllm.lora.ops.triton_ops import LoRAKernelMeta
 from vllm.lora.ops.triton_ops.lora_expand_op import _lora_expand
 from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 
-from loraplex.kernels.lora_dense_op import lora_dense
-from loraplex.kernels.moe_lora_configs import gpu_slug
-from loraplex.kernels.moe_lora_workload import L2_BYTES, time_interleaved
+from bench.common import append_rows
+from bench.kernels.moe_lora_workload import L2_BYTES, time_interleaved
+from loraplex.kernels.ops.lora_dense.op import lora_dense
+from loraplex.kernels.ops.moe_lora.configs import gpu_slug
 
 SLOTS, RANK = 8, 32
 LAYERS = {  # layer: (K, slice widths), Qwen3-30B-A3B attention
@@ -129,9 +129,7 @@ def main() -> None:
                       f"gemm {row['gemm_us']:7.2f} lora {row['lora_us']:6.2f} us "
                       f"x{row['lora_vs_vllm']:5.2f} vs vllm err {row['rel_err_vs_vllm']:.1e}",
                       flush=True)  # fmt: skip
-    ns.out.mkdir(parents=True, exist_ok=True)
-    slug = gpu_slug(gpu)
-    (ns.out / f"dense_decode_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("wrote", append_rows(f"dense_decode_{gpu_slug(gpu)}", rows, ns.out))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -32,12 +31,13 @@ from vllm.lora.ops.triton_ops import LoRAKernelMeta
 from vllm.lora.ops.triton_ops.lora_expand_op import _lora_expand
 from vllm.lora.ops.triton_ops.lora_shrink_op import _lora_shrink
 
-from loraplex.kernels.lora_dense_tiled import lora_dense_tiled
-from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
-from loraplex.kernels.moe_lora_configs import gpu_slug
-from loraplex.kernels.moe_lora_reference import sorted_form_size
-from loraplex.kernels.moe_lora_sum import moe_sum_with_delta
-from loraplex.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_interleaved
+from bench.common import append_rows
+from bench.kernels.moe_lora_workload import copy_bandwidth, default_block_m, time_interleaved
+from loraplex.kernels.ops.lora_dense.tiled import lora_dense_tiled
+from loraplex.kernels.ops.moe_lora.configs import gpu_slug
+from loraplex.kernels.ops.moe_lora_align.op import moe_lora_align_block_size
+from loraplex.kernels.ops.moe_lora_align.reference import sorted_form_size
+from loraplex.kernels.ops.moe_lora_sum.op import moe_sum_with_delta
 
 SLOTS, RANK, REQUESTS = 8, 32, 16
 ROUTING = {"qwen3-30b-a3b": (128, 8), "gpt-oss-20b": (32, 4)}  # experts, top-k
@@ -191,9 +191,7 @@ def main() -> None:
         print(f"{row['part']:5s} {row['shape']:18s} T={row['tokens']:6d} vllm "
               f"{row['vllm_us']:8.1f} ours {row['ours_us']:8.1f} x{row['speedup']:5.2f} {extra}",
               flush=True)  # fmt: skip
-    ns.out.mkdir(parents=True, exist_ok=True)
-    slug = gpu_slug(gpu)
-    (ns.out / f"lora_prefill_{slug}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("wrote", append_rows(f"lora_prefill_{gpu_slug(gpu)}", rows, ns.out))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ w2) and batch, both ops get the same tokens, adapters and routing, in the routin
 in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its naive/sorted rule and
 its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op also in the
 naive form while pairs <= experts x max_loras, up to 1,024 pairs, and in the sorted form in the
-plugin's blocks (the plugin's rules, `moe_lora_configs.serves_naive` and `serves_block_m`).
+plugin's blocks (the plugin's rules, `REGIMES.naive` and `REGIMES.block_m` in kernels/dispatch.py).
 Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us,
 with the config the configs file gives that form; see bench_point).
 Times are medians per call in CUDA-graph replay, the graphs replayed in turn
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -35,18 +34,8 @@ from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
 from vllm.lora.ops.triton_ops import fused_moe_lora as vllm_fused_moe_lora
 from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
-from loraplex.kernels.moe_lora_act import expand_silu_and_mul
-from loraplex.kernels.moe_lora_align import moe_lora_align_block_size
-from loraplex.kernels.moe_lora_configs import (
-    MoeLoraConfig,
-    gpu_slug,
-    lookup,
-    serves_block_m,
-    write_configs,
-)
-from loraplex.kernels.moe_lora_op import defer_gate_up_expand, fused_moe_lora
-from loraplex.kernels.moe_lora_reference import sorted_form_size
-from loraplex.kernels.moe_lora_workload import (
+from bench.common import append_rows
+from bench.kernels.moe_lora_workload import (
     BATCHES,
     POPULARITIES,
     SHAPES,
@@ -59,7 +48,13 @@ from loraplex.kernels.moe_lora_workload import (
     served_naive,
     time_interleaved,
 )
-from loraplex.kernels.tune_moe_lora import candidates, fuses_activation, shape_key, tune_point
+from bench.kernels.tune_moe_lora import candidates, fuses_activation, shape_key, tune_point
+from loraplex.kernels.dispatch import REGIMES
+from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, gpu_slug, lookup, write_configs
+from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
+from loraplex.kernels.ops.moe_lora_align.op import moe_lora_align_block_size
+from loraplex.kernels.ops.moe_lora_align.reference import sorted_form_size
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "NUM_WARPS",
                "NUM_STAGES", "SPLIT_K")  # fmt: skip
@@ -69,9 +64,9 @@ DEFAULTS = (64, 64, 32, 8, 4, 3, 1)  # punica_gpu.add_lora_fused_moe's .get() de
 PREFILL_MIN_TOKENS = 512
 # At prefill sizes our op serves unless vLLM's is this much faster. vLLM's one-shot kernel
 # specialises on arguments its warm-up cannot enumerate, and JIT-compiled while serving in
-# every plugin session on the H200 so far, stalling the step (at c1a083b the repetition with
-# the compile gave 58.0 tok/s per request, the other two 63.8 and 64.7); ours has compiled
-# nothing while serving. At 204,800 pairs vLLM's down projection was 4-7% faster.
+# every plugin session on the H200, stalling the step (the repetition with the compile: 58.0
+# tok/s per request, the other two 63.8 and 64.7); ours has compiled nothing while serving. At
+# 204,800 pairs vLLM's down projection was 4-7% faster.
 STOCK_MARGIN_PREFILL = 1.10
 
 
@@ -95,7 +90,8 @@ def vllm_align(
     ours: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`PunicaWrapperGPU.moe_lora_align_block_size` (no expert map), through vLLM's CUDA op, or
-    with `ours` through our align kernels (which the plugin serves from ALIGN_MIN_PAIRS on)."""
+    with `ours` through our align kernels (which the plugin serves where `REGIMES.our_align`
+    says)."""
     padded, blocks = sorted_form_size(topk_ids.numel(), num_experts, block)
     dev = topk_ids.device
     sorted_ids = torch.empty(max_loras * padded, dtype=torch.int32, device=dev)
@@ -131,7 +127,7 @@ def with_activation(
 ) -> None:
     """A gate/up call into `gate_up` (pairs, 2N), then vLLM's SiLU-and-mul of it into `out`, as
     vLLM's fused experts run them; with `fuse`, our op's expand added inside the activation
-    (`moe_act_fusion`) where the op defers it."""
+    (`fused_experts`) where the op defers it."""
     if fuse:
         with defer_gate_up_expand() as deferred:
             lora()
@@ -190,7 +186,7 @@ def bench_point(
     shrink, expand = vllm_configs(shape, op, tokens, ns.rank)
     num_pairs = tokens * shape.top_k
     vllm_block = int(shrink.get("BLOCK_SIZE_M") or 64)
-    block_m = serves_block_m(num_pairs, shape.experts, ns.adapters, vllm_block)
+    block_m = REGIMES.block_m(num_pairs, shape.experts, ns.adapters, vllm_block)
     align = functools.partial(vllm_align, ours=ns.align == "ours")
 
     def make(block: int, naive: bool) -> list[tuple[dict, int]]:
@@ -201,7 +197,7 @@ def bench_point(
     our_naive = served_naive(shape, tokens, ns.adapters)
     sorted_form = not our_naive
     # Each op gets the routing form it gets in vLLM, on the same tokens and routing: vLLM's by
-    # its own rules, ours by the plugin's (`moe_lora_configs.serves_naive`, `serves_block_m`).
+    # its own rules, ours by the plugin's (`REGIMES.naive`, `REGIMES.block_m`).
     sets = make(block_m, our_naive)
     args = [s for s, _ in sets]
     same_form = vllm_naive == our_naive and (our_naive or block_m == vllm_block)
@@ -247,8 +243,8 @@ def bench_point(
         timed["prev"] = ours_with(prev, args)
     # Where the plugin's rules give our op another form than vLLM's (naive, or smaller blocks):
     # our op in vLLM's form too, with the config the file gives that form and block (`lookup`:
-    # an entry serves blocks within BLOCK_M_TOLERANCE of its own; in 55a8de0's rows, run before
-    # entries recorded their block, the sorted entries there were tuned at vLLM's block).
+    # an entry serves blocks within BLOCK_M_TOLERANCE of its own; one that records no block, as
+    # before entries recorded theirs, was tuned at vLLM's block and serves any).
     if their_args is not args:
         vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
         vllm_form_cfg = lookup(gpu, vllm_form_key, num_pairs, sms,
@@ -343,10 +339,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if ns.tune:
         print("wrote", write_configs(gpu, ns.tuned))
-    ns.out.mkdir(parents=True, exist_ok=True)
-    slug = gpu_slug(gpu)
-    name = f"moe_lora_{slug}.json" if ns.align == "vllm" else f"moe_lora_{slug}_align_ours.json"
-    (ns.out / name).write_text(json.dumps(rows, indent=1) + "\n")
+    name = "moe_lora" if ns.align == "vllm" else "moe_lora_align_ours"
+    print("wrote", append_rows(f"{name}_{gpu_slug(gpu)}", rows, ns.out))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 for part in $parts; do
   case "$part" in
     tests)  # one limit per file: the MoE file alone took ~260 s on the H200 at 106 tests
-      for file in tests/kernels/test_moe_lora_gpu.py tests/kernels/test_lora_dense_gpu.py \
-        tests/kernels/test_moe_lora_align_gpu.py; do
+      for file in tests/kernels/ops/moe_lora/test_moe_lora_gpu.py \
+        tests/kernels/ops/lora_dense/test_lora_dense_gpu.py \
+        tests/kernels/ops/moe_lora_align/test_moe_lora_align_gpu.py; do
         timeout 420 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu "$file" 2>&1 \
           | tee -a "$OUT/gpu_tests.log" | tail -6
       done ;;
@@ -28,7 +29,7 @@ for part in $parts; do
       timeout 450 python3 bench/kernels/bench_moe_lora.py --tune --commit "$commit" --out "$OUT" \
         ${MOE_BATCHES:+--batches $MOE_BATCHES} 2>&1 | tee "$OUT/bench.log"
       # The tuner writes into the package it imports (/tmp/site's copy, not this tree's).
-      configs=$(python3 -c 'from loraplex.kernels.moe_lora_configs import CONFIG_DIR; print(CONFIG_DIR)')
+      configs=$(python3 -c 'from loraplex.kernels.ops.moe_lora import configs; print(configs.CONFIG_DIR)')
       for f in "$configs"/*.json; do cp "$f" "$OUT/configs_$(basename "$f")"; done ;;
   esac
 done

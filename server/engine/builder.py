@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from loraplex.kernels.plugin import SUPPORTED_VLLM, compile_cache_config
+from loraplex.kernels.vllm.plugin import SUPPORTED_VLLM, compile_cache_config
 from loraplex.server.engine import vllm_compat
 from loraplex.server.settings import OWNED_VLLM_ARGS, ConfigError, EngineSettings
 
@@ -63,8 +63,8 @@ def cpu_dtype(requested: str) -> str:
 def check_specialized_graphs(settings: EngineSettings, vllm_version: str, cpu: bool) -> None:
     """Refuse engine.specialize_active_lora on a GPU engine whose vLLM the plugin does not patch:
     there vLLM's own LoRA batch metadata would serve, which drops an adapter's delta beside
-    base-model requests in that mode (`kernels/lora_mapping.fill_kernel_meta`). CPU engines do
-    not use that metadata."""
+    base-model requests in that mode (`kernels/vllm/batch_metadata.fill_kernel_meta`). CPU
+    engines do not use that metadata."""
     if settings.specialize_active_lora and not cpu and not vllm_version.startswith(SUPPORTED_VLLM):
         raise ConfigError(
             f"engine.specialize_active_lora (True) needs vLLM {', '.join(SUPPORTED_VLLM)}x, "
@@ -235,7 +235,7 @@ def engine_args(settings: EngineSettings, namespace: argparse.Namespace) -> Asyn
 def kernel_handbacks(settings: EngineSettings) -> list[str]:
     """What, in these settings, makes the MoE-LoRA plugin hand layers back to vLLM's kernels,
     and why (said once at start; the plugin itself logs in vLLM's processes)."""
-    from loraplex.kernels.moe_lora_op import MAX_RANK
+    from loraplex.kernels.ops.moe_lora.op import MAX_RANK
 
     if not settings.moe_lora_kernels:
         return []

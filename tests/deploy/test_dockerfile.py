@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.kernels.plugin import SUPPORTED_VLLM
+from loraplex.kernels.vllm.plugin import SUPPORTED_VLLM
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = (REPO / "Dockerfile", REPO / "deploy" / "compose" / "cpu.Dockerfile")

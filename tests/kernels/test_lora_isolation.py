@@ -1,5 +1,5 @@
 """An adapter slot of NaN or 1e30 weights changes no other token's output, in any kernel form the
-plugin uses, and a later call with that slot loaded but unused is clean (`isolation_checks`
+plugin uses, and a later call with that slot loaded but unused is clean (`kernel_isolation`
 says how). CPU interpreter in fp32 (NaN) and fp16 (1e30, which fp16 stores as inf); bf16 runs in
 test_lora_isolation_gpu.py on the device. `moe_lora_sum`'s own rule (a delta row counts only
 for a token on an active slot) is held with NaN rows in test_moe_lora_sum.py.
@@ -14,10 +14,15 @@ import dataclasses
 
 import pytest
 import torch
-from isolation_checks import POISONS, check_dense, check_expand_silu_and_mul, check_moe_op
-from moe_lora_cases import Case
 
-from loraplex.kernels.moe_lora_configs import MoeLoraConfig
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
+from tests.support.kernel_isolation import (
+    POISONS,
+    check_dense,
+    check_expand_silu_and_mul,
+    check_moe_op,
+)
+from tests.support.moe_lora_cases import Case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32, FP16 = torch.float32, torch.float16

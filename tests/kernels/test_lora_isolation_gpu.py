@@ -1,4 +1,4 @@
-"""Isolation on a CUDA GPU (`isolation_checks` says how): an adapter slot of NaN or 1e30 weights
+"""Isolation on a CUDA GPU (`kernel_isolation` says how): an adapter slot of NaN or 1e30 weights
 changes no other token's output in bf16 and fp16, under Programmatic Dependent Launch at decode
 sizes, at prefill sizes, and in CUDA graphs replayed for later steps. Run on the device machine:
 
@@ -13,7 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from isolation_checks import (
+
+from loraplex.kernels.ops.lora_dense.op import lora_dense
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
+from loraplex.kernels.ops.moe_lora.op import fused_moe_lora
+from loraplex.kernels.vllm.batch_metadata import fill_kernel_meta
+from tests.support.kernel_isolation import (
     LATER,
     POISONS,
     check_dense,
@@ -21,12 +26,7 @@ from isolation_checks import (
     check_moe_op,
     poison,
 )
-from moe_lora_cases import Case, make_inputs
-
-from loraplex.kernels.lora_dense_op import lora_dense
-from loraplex.kernels.lora_mapping import fill_kernel_meta
-from loraplex.kernels.moe_lora_configs import MoeLoraConfig
-from loraplex.kernels.moe_lora_op import fused_moe_lora
+from tests.support.moe_lora_cases import Case, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -200,8 +200,8 @@ def test_a_poisoned_slot_beside_others_through_vllms_methods(sorted_form: bool) 
     tokens not on slot 0 come out as with clean weights, bit for bit."""
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-    from loraplex.kernels.moe_lora_workload import CallSpec, MoeShape, make_weights
-    from loraplex.kernels.plugin import PluginState, register
+    from bench.kernels.moe_lora_workload import CallSpec, MoeShape, make_weights
+    from loraplex.kernels.vllm.plugin import PluginState, register
 
     assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
     shape = MoeShape("e2e-check", 512, 256, 32, 4, activation="silu")
@@ -263,7 +263,7 @@ def test_a_poisoned_slot_beside_others_through_vllms_methods(sorted_form: bool) 
 
 
 def test_cases_put_tokens_on_the_poisoned_slot_on_others_and_on_none() -> None:
-    """What `isolation_checks` asserts of each draw, checked once for every case here."""
+    """What `kernel_isolation` asserts of each draw, checked once for every case here."""
     for name, case in {**NAIVE, **SORTED, **PREFILL}.items():
         slots = make_inputs(dataclasses.replace(case, sorted_form=False), torch.float32, "cpu",
                             3)["token_lora_mapping"]  # fmt: skip

@@ -263,7 +263,7 @@ def test_vllm_args_are_checked_by_vllms_own_parser(vllm_args: dict, said: str) -
 
 
 def test_vllm_args_reach_vllms_engine_arguments_beside_loraplexs_own(tmp_path: Path) -> None:
-    from loraplex.kernels.plugin import COMPILE_CACHE_KEY
+    from loraplex.kernels.vllm.plugin import COMPILE_CACHE_KEY
     from loraplex.server.engine.builder import engine_args, vllm_namespace
 
     args = {"enable_prefix_caching": True, "kv-cache-dtype": "fp8", "tensor_parallel_size": 2,

@@ -1,0 +1,201 @@
+"""Launch configs of the MoE-LoRA kernels: tuned JSON per GPU name and shape, with a fallback.
+
+Files live in `kernels/configs/moe_lora_<gpu slug>.json` and are written by
+`python -m bench.kernels.tune_moe_lora`. Layout:
+
+    {"gpu": "NVIDIA H100 80GB HBM3",
+     "shapes": {"<shape key>": {"<num pairs>": {"variant": "split", "block_k": 128, ...}}}}
+
+A lookup takes the entry of the nearest tuned pair count (in log scale) for the shape; an unknown
+GPU or shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEMMs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+CONFIG_DIR = Path(__file__).parents[2] / "configs"  # kernels/configs: tuned configs as data
+Variant = Literal["split", "fused", "stock"]
+# Bounds on a per-thread register cap: the CUDA ABI's minimum and the most a thread can have on
+# sm_90. A cap inside them can still be too low for a kernel: ptxas then fails its compile (the
+# Qwen3 gate/up expand at prefill, half blocks, needs 94 on the H200).
+MIN_REGISTERS, MAX_REGISTERS = 16, 255
+
+
+@dataclass(frozen=True)
+class MoeLoraConfig:
+    """How to launch one call. split: shrink over SPLIT_K K ranges, then expand; fused: one kernel
+    with the intermediate on chip, each program covering 1/npid of N; stock: vLLM's own kernel
+    was measured faster here, so the op declines and the plugin hands the call to vLLM."""
+
+    variant: Variant
+    block_k: int
+    block_n: int
+    split_k: int = 1
+    npid: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fuse_slices: bool = False  # 2 slices: one (shrink) program does gate and up, gathering x once
+    # split's expand: each program takes 1/expand_parts of a sorted block's rows (smaller tiles,
+    # more programs per SM) and expand_tiles adjacent N tiles, loading the next while it stores.
+    expand_parts: int = 1
+    expand_tiles: int = 1
+    # A cap on registers per thread (ptxas's maxnreg) for the op's kernels (shrink and expand, or
+    # the fused kernel); None leaves the compiler's choice. A program of 4 warps that uses just
+    # over 128 registers fits one fewer per SM than one held to 128.
+    max_registers: int | None = None
+    # split in the naive routing form (decode), on CUDA cores (`gemv_kernels`): the
+    # shrink as a GEMV over whole K ranges, one program per pair, slice and range; the expand
+    # as one over block_n columns, one program per pair, slice and N tile. (The fused
+    # SiLU-and-mul's naive-form programs are GEMVs whatever this says.)
+    gemv_shrink: bool = False
+    gemv_expand: bool = False
+    # The sorted form's block (BLOCK_M) the entry was tuned at: `lookup` serves it only to blocks
+    # within BLOCK_M_TOLERANCE of that. None in the naive form, and where it was not recorded
+    # (entries tuned at vLLM's blocks, before the plugin chose smaller ones), which serve any.
+    tuned_block_m: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gemv_shrink and (self.variant != "split" or self.fuse_slices):
+            raise ValueError(
+                "gemv_shrink is a shrink of the split variant, one slice a program: variant must "
+                f"be 'split' (got {self.variant!r}) and fuse_slices False (got {self.fuse_slices})"
+            )
+        if self.gemv_expand and (self.variant != "split" or self.expand_tiles != 1):
+            raise ValueError(
+                "gemv_expand is an expand of the split variant over block_n columns a program: "
+                f"variant must be 'split' (got {self.variant!r}) and expand_tiles 1 "
+                f"(got {self.expand_tiles})"
+            )
+        parts = self.expand_parts
+        if parts < 1 or parts & (parts - 1):
+            raise ValueError(f"expand_parts must be a power of 2 >= 1, got {parts}")
+        if self.expand_tiles < 1:
+            raise ValueError(f"expand_tiles must be >= 1, got {self.expand_tiles}")
+        regs = self.max_registers
+        if regs is not None and not MIN_REGISTERS <= regs <= MAX_REGISTERS:
+            raise ValueError(
+                f"max_registers must be between {MIN_REGISTERS} and {MAX_REGISTERS}, got {regs}"
+            )
+
+    def launch_options(self) -> dict[str, int]:
+        """Triton launch options: warps, and the register cap where one is set."""
+        regs = {} if self.max_registers is None else {"maxnreg": self.max_registers}
+        return {"num_warps": self.num_warps} | regs
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What a config depends on besides the batch: the weights' shape and the routing form."""
+
+    k: int
+    n: int
+    slices: int
+    rank: int
+    experts: int
+    top_k: int
+    sorted_form: bool
+    dtype: str
+
+    def text(self) -> str:
+        form = "sorted" if self.sorted_form else "naive"
+        return (
+            f"K={self.k},N={self.n},S={self.slices},R={self.rank},E={self.experts},"
+            f"topk={self.top_k},{form},{self.dtype}"
+        )
+
+
+def gpu_slug(gpu_name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in gpu_name).strip("_").lower()
+
+
+@lru_cache(maxsize=16)
+def _load(gpu_name: str) -> dict[str, dict[int, MoeLoraConfig]]:
+    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        shape: {int(pairs): MoeLoraConfig(**cfg) for pairs, cfg in by_pairs.items()}
+        for shape, by_pairs in raw["shapes"].items()
+    }
+
+
+def fallback_config(key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConfig:
+    """Split K while pairs x slices leave most SMs idle (decode), else one fused launch."""
+    block_k = 128 if key.k >= 256 else 64
+    programs = max(num_pairs * key.slices, 1)
+    if programs >= 2 * sm_count or (key.sorted_form and num_pairs >= 1024):
+        return MoeLoraConfig("fused", block_k=block_k, block_n=128)
+    max_split = max(1, key.k // (2 * block_k))
+    split = 1
+    while split < max_split and programs * split < 4 * sm_count:
+        split *= 2
+    return MoeLoraConfig("split", block_k=block_k, block_n=64, split_k=split)
+
+
+# A config tuned at one sorted block serves blocks up to this factor away. H200, the fused configs
+# tuned at block 16 (Qwen3 at 2,048 pairs, GPT-OSS at 1,024), on 16 pairs per slot-expert: at
+# block 32 Qwen3 down 97.3 us (the best config tuned at 32: 97.6), at block 128 349.9, where the
+# best tuned at 128 took 114.2; GPT-OSS gate/up 84.0 at 32, 272.8 at 128.
+BLOCK_M_TOLERANCE = 2
+
+
+def _serves_block(config: MoeLoraConfig, block_m: int) -> bool:
+    tuned = config.tuned_block_m
+    return tuned is None or max(tuned, block_m) <= BLOCK_M_TOLERANCE * min(tuned, block_m)
+
+
+def lookup(
+    gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int, block_m: int | None = None
+) -> MoeLoraConfig:
+    """The tuned config nearest to num_pairs for this GPU and shape (in the sorted form, among
+    those that serve `block_m`), else the fallback."""
+    tuned = _load(gpu_name).get(key.text(), {})
+    if block_m is not None:
+        tuned = {p: c for p, c in tuned.items() if _serves_block(c, block_m)}
+    if not tuned:
+        return fallback_config(key, num_pairs, sm_count)
+    return tuned[_log_nearest(tuned, max(num_pairs, 1))]
+
+
+def _log_nearest(entries: Collection[int], num_pairs: int) -> int:
+    """The entry nearest num_pairs on a log scale, the larger of two equally near: one of the
+    entries on either side, compared exactly (num_pairs / below against above / num_pairs, in
+    integers). Compared as float logs, an exact geometric midpoint (2,048 pairs between entries
+    at 1,024 and 4,096) went to whichever side rounding favoured, which differed between the
+    midpoints of one file. Integers, not fractions: this runs at every op call, and over 13
+    entries it takes 0.9-1.8 us, float logs 3.0 and Fractions 29 (CPython 3.11)."""
+    below = [p for p in entries if p <= num_pairs]
+    above = [p for p in entries if p >= num_pairs]
+    if not below:
+        return min(above)
+    if not above:
+        return max(below)
+    lo, hi = max(below), min(above)
+    return hi if hi * lo <= num_pairs * num_pairs else lo
+
+
+def write_configs(gpu_name: str, shapes: dict[str, dict[int, MoeLoraConfig]]) -> Path:
+    """Merge tuned entries into this GPU's file: a shape's pair counts not re-tuned (a run over
+    fewer batches) keep their entries, as do shapes not re-tuned."""
+    CONFIG_DIR.mkdir(parents=True, exist_ok=True)
+    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
+    merged: dict[str, dict[str, dict[str, object]]] = {}
+    if path.is_file():
+        merged = json.loads(path.read_text())["shapes"]
+    for shape, by_pairs in shapes.items():
+        entries = {int(p): cfg for p, cfg in merged.get(shape, {}).items()}
+        entries.update({p: cfg.to_json() for p, cfg in by_pairs.items()})
+        merged[shape] = {str(p): cfg for p, cfg in sorted(entries.items())}
+    path.write_text(json.dumps({"gpu": gpu_name, "shapes": merged}, indent=1) + "\n")
+    _load.cache_clear()
+    return path

@@ -1,0 +1,97 @@
+"""The tuned-config file: a tuner run over some batches merges into what is there; a lookup
+takes the nearest entry that serves the call; launch shapes it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.kernels.ops.moe_lora import configs as configs
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, ShapeKey
+
+
+def test_partial_tuning_keeps_other_pair_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    key = ShapeKey(2048, 768, 2, 32, 128, 8, True, "torch.bfloat16")
+    other = ShapeKey(768, 2048, 1, 32, 128, 8, True, "torch.bfloat16")
+    split = MoeLoraConfig("split", 128, 64, split_k=2)
+    fused = MoeLoraConfig("fused", 128, 128)
+    configs.write_configs(
+        "Test GPU", {key.text(): {512: split, 2048: split}, other.text(): {8: split}}
+    )
+    configs.write_configs("Test GPU", {key.text(): {2048: fused, 204800: fused}})
+    assert configs.lookup("Test GPU", key, 512, 132) == split  # not re-tuned: kept
+    assert configs.lookup("Test GPU", key, 2048, 132) == fused  # re-tuned: replaced
+    assert configs.lookup("Test GPU", key, 204800, 132) == fused  # new
+    assert configs.lookup("Test GPU", other, 8, 132) == split  # another shape: kept
+
+
+def test_a_sorted_entry_serves_blocks_near_the_one_it_was_tuned_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry tuned at block 16 serves blocks 16 and 32, not 64 or 128 (its fused kernel took
+    3x the best there); one whose block was not recorded serves any; with none left, the
+    fallback; the naive form ignores blocks."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    key = ShapeKey(768, 2048, 1, 32, 128, 8, True, "torch.bfloat16")
+    at16 = MoeLoraConfig("fused", 128, 128, tuned_block_m=16)
+    legacy = MoeLoraConfig("split", 64, 128, expand_parts=4, expand_tiles=16)
+    configs.write_configs("Test GPU", {key.text(): {2048: at16, 204800: legacy}})
+    assert configs.lookup("Test GPU", key, 16384, 132, block_m=16) == at16
+    assert configs.lookup("Test GPU", key, 16384, 132, block_m=32) == at16
+    assert configs.lookup("Test GPU", key, 16384, 132, block_m=64) == legacy
+    assert configs.lookup("Test GPU", key, 2048, 132, block_m=128) == legacy
+    assert configs.lookup("Test GPU", key, 2048, 132) == at16  # no block: nearest
+    configs.write_configs("Test GPU", {key.text(): {204800: at16}})
+    assert configs.lookup("Test GPU", key, 2048, 132, block_m=128) == configs.fallback_config(
+        key, 2048, 132
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"expand_parts": 3}, "expand_parts must be a power of 2 >= 1, got 3"),
+        ({"expand_parts": 0}, "expand_parts must be a power of 2 >= 1, got 0"),
+        ({"expand_tiles": 0}, "expand_tiles must be >= 1, got 0"),
+        ({"max_registers": 8}, "max_registers must be between 16 and 255, got 8"),
+        ({"max_registers": 256}, "max_registers must be between 16 and 255, got 256"),
+    ],
+)
+def test_bad_launch_shape_names_the_field_and_bound(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MoeLoraConfig("split", block_k=64, block_n=128, **fields)
+
+
+def test_gemv_shrink_is_refused_outside_the_split_variant() -> None:
+    with pytest.raises(ValueError, match="gemv_shrink"):
+        MoeLoraConfig("fused", 128, 128, gemv_shrink=True)
+    with pytest.raises(ValueError, match="gemv_shrink"):
+        MoeLoraConfig("split", 128, 128, fuse_slices=True, gemv_shrink=True)
+
+
+def test_gemv_expand_is_refused_outside_the_split_variant_and_over_tiles() -> None:
+    with pytest.raises(ValueError, match="variant must be 'split' \\(got 'fused'\\)"):
+        MoeLoraConfig("fused", 128, 128, gemv_expand=True)
+    with pytest.raises(ValueError, match="expand_tiles 1 \\(got 2\\)"):
+        MoeLoraConfig("split", 128, 128, expand_tiles=2, gemv_expand=True)
+
+
+def test_lookup_takes_the_log_nearest_entry_and_the_larger_at_a_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nearest on a log scale; at an exact geometric midpoint the larger entry, at every
+    midpoint alike (float logs had sent 2,048 between 1,024 and 4,096 up, 16 between 8 and
+    32 down)."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    key = ShapeKey(2880, 2880, 2, 32, 32, 4, True, "torch.bfloat16")
+    small, mid, large = (MoeLoraConfig("split", 128, n) for n in (64, 128, 256))
+    configs.write_configs("Test GPU", {key.text(): {8: small, 32: mid, 1024: small, 4096: large}})
+    assert configs.lookup("Test GPU", key, 15, 132) == small  # nearer 8 than 32 (16 is the middle)
+    assert configs.lookup("Test GPU", key, 16, 132) == mid  # 8 and 32 equally near
+    assert configs.lookup("Test GPU", key, 2047, 132) == small
+    assert configs.lookup("Test GPU", key, 2048, 132) == large  # 1,024 and 4,096 equally near
+    assert configs.lookup("Test GPU", key, 0, 132) == small  # no pairs: as one
