@@ -9,9 +9,9 @@ Tenant B sends at `rate` req/s; tenant A at 8x that. Three runs on one machine, 
                 (`max_running` = `max_queued` = 4096, `engine_priority` off, vLLM's own
                 scheduler: no gateway fairness, vLLM's first come, first served only).
 
-Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and writes
-`bench/results/fairness-<commit>-<config>.json` plus one PNG chart per run (the config in the name,
-so runs of one commit with different settings do not overwrite each other).
+Prints B's p90 TTFT in each and the ratios to B alone (target for `fair`: <= 1.5x), and appends
+one row (machine, commit, config, the three runs' summaries) to `bench/results/fairness.jsonl`;
+each run's chart and summary, and the servers' logs, go to `bench/results/tmp/fairness/`.
 
     python -m bench.fairness [--rate 0.5] [--duration 45] [--max-running 8] [--active-window S]
                              [--max-num-batched-tokens N] [--paced-prefill-tokens N]
@@ -29,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import stamp
+from bench.common import append_rows, stamp
 from bench.loadgen.client import Sample, run_workload
 from bench.loadgen.report import print_table, summarize, write_outputs
 from bench.loadgen.server import LiveServer, live_server
@@ -117,8 +117,8 @@ def run(
     summary["server_side"] = {t: server_side(server, samples, t) for t in tenants}
     print(f"{name}: server-side {summary['server_side']}")
     print_table(summary)
-    stem = f"fairness-{name}-{summary['commit']}-{tag(args)}"
-    write_outputs(summary, samples, args.out_dir / stem)
+    stem = f"{name}-{summary['commit']}-{tag(args)}"
+    write_outputs(summary, samples, args.out_dir / "tmp" / "fairness" / stem)
     return summary
 
 
@@ -174,15 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=160).print(table)
     result = {
         **stamp(),
+        "bench": "fairness",
         "config": {k: str(v) for k, v in vars(args).items()},
         "target": "fair ratio_to_alone <= 1.5",
         "rows": rows,
         "runs": runs,
     }
-    path = args.out_dir / f"fairness-{result['commit']}-{tag(args)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {append_rows('fairness', [result], args.out_dir)}")
     return 0
 
 

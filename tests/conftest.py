@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.server_process import ServerProcess
+from bench.loadgen.server import ServerProcess
 
 # The embedded server used by the API tests. fp32 so greedy tokens can be compared with
 # transformers + PEFT in fp32 (vLLM on CPU computes a bf16 checkpoint in bf16 otherwise).

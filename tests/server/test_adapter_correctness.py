@@ -11,8 +11,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.loadgen.server import ServerProcess
 from loraplex.server.settings import default_cache_dir
-from tests.support.server_process import ServerProcess
 
 CACHE = default_cache_dir()  # where the server finds the demo model, as it does
 MODEL_DIR = CACHE / "models" / "SmolLM2-135M-Instruct"

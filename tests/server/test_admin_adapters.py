@@ -27,10 +27,10 @@ import httpx
 import pytest
 
 from bench.loadgen.polling import poll, wait_until
+from bench.loadgen.server import REPO, ServerProcess
 from loraplex.adapters_registry.disk_cache import sha256_file
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
 from tests.support.s3_rig import S3Rig
-from tests.support.server_process import REPO, ServerProcess
 
 TOKEN = "test-admin-token"
 BASE_MODEL = "SmolLM2-135M-Instruct"

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from bench.loadgen.polling import wait_until
-from tests.support.server_process import REPO, ServerProcess
+from bench.loadgen.server import REPO, ServerProcess
 
 # What "within a few seconds" allows: the kernel signals a child as its parent exits; the rest
 # is a loaded 2-core CI machine getting round to reaping it.

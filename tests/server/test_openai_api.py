@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from bench.loadgen.polling import wait_until
+from bench.loadgen.server import ServerProcess
 from loraplex.server.settings import default_cache_dir
-from tests.support.server_process import ServerProcess
 
 BASE = "SmolLM2-135M-Instruct"
 ADAPTERS = ("demo-attn", "demo-mlp")

@@ -28,9 +28,8 @@ from typing import Any
 import httpx
 from moto.server import ThreadedMotoServer
 
-from bench.loadgen.server import free_port
+from bench.loadgen.server import REPO, free_port
 from tests.support.s3_fault_proxy import CONTROL, FaultProxy, Forwarded, SlowBody
-from tests.support.server_process import REPO
 
 # A control call normally answers in milliseconds; a stalled proxy must not hang the test.
 _CONTROL_TIMEOUT_S = 10.0
