@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bench.common import append_rows, stamp
+from bench.loadgen.redis_server import RedisServer
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission
 from loraplex.server.tenancy.directory import TenantDirectory
@@ -35,7 +36,6 @@ from loraplex.server.tenancy.quota_store import SharedQuotas
 from loraplex.server.tenancy.quotas import Demand
 from loraplex.server.tenancy.redis_quotas import RedisQuotas
 from loraplex.server.tenancy.settings import TenancySettings
-from tests.support.redis_server import RedisServer
 
 KEY = "bench-key-0123456789abcdef"
 DEMAND = Demand(100, n=1, max_tokens=100)

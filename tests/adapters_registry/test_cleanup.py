@@ -18,13 +18,13 @@ from registry_builders import write_adapter
 from registry_fake_engine import FakeEngine
 from registry_rig import Rig
 
+from bench.loadgen.server import REPO
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.catalog import BLOB_PREFIX
 from loraplex.adapters_registry.cleanup import sweep_leftovers
 from loraplex.adapters_registry.lifecycle import build_registry
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.settings import RegistrySettings
-from tests.support.server_process import REPO
 
 pytestmark = pytest.mark.anyio
 HOUR = 3600.0

@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio
 from prometheus_client import CollectorRegistry
 
+from bench.loadgen.redis_server import RedisServer
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.settings import ConfigError, load_settings
 from loraplex.server.tenancy.admission import Admission
@@ -30,7 +31,6 @@ from loraplex.server.tenancy.quotas import Demand, QuotaGate
 from loraplex.server.tenancy.redis_quotas import KEY_PREFIX, Lease, RedisQuotas
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import Quotas, TenancySettings
-from tests.support.redis_server import RedisServer
 
 ACME_KEY = "acme-key-0123456789abcdef"
 FREE_KEY = "unlimited-key-0123456789abcdef"

@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen.polling import wait_until
-from tests.support.redis_server import RedisServer
+from bench.loadgen.redis_server import RedisServer
+from bench.loadgen.server import ServerProcess
 from tests.support.s3_rig import S3Rig
-from tests.support.server_process import ServerProcess
 
 TOKEN = "quota-fleet-admin-token"
 BASE_MODEL = "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""A real Redis server (Debian's `redis-server`) on loopback for the quota-store tests.
+"""A real Redis server (Debian's `redis-server`) on loopback for the quota-store tests and bench.
 
 No persistence (no RDB snapshots, no AOF), so `restart` comes back empty, as a Redis without
 persistence does after a crash; the port stays the same, so clients reconnect by themselves.
