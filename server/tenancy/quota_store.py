@@ -102,6 +102,7 @@ class SharedQuotas:
         self._held: dict[str, set[str]] = {}  # tenant -> members of the leases this replica holds
         self._pending: dict[str, _PendingRelease] = {}
         self._renewed_at = clock()
+        self._scripts_loaded = False  # in this Redis, as far as we know
         self._renewing: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         metrics.quota_store_healthy.set(1)
@@ -236,6 +237,7 @@ class SharedQuotas:
         now = self._clock()
         self._metrics.quota_store_failed_requests.labels(operation).inc()
         self._retry_at = now + RETRY_S
+        self._scripts_loaded = False
         if self.state is StoreState.UP:
             self._down_since = self._last_log = now
             self._metrics.quota_store_healthy.set(0)
@@ -290,18 +292,19 @@ class SharedQuotas:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(RETRY_S)
             try:
                 await self.tick()
             except Exception:
                 log.exception("quota store upkeep failed; retrying")
+            await asyncio.sleep(RETRY_S)
 
     async def tick(self) -> None:
         """One round of upkeep: renew the held leases when a third of their ttl has passed
-        (or the store is down and its retry time has come: the renewal is the probe), then
+        (or the store is down and its retry time has come: the renewal is the probe; or the
+        scripts may be missing: at start and after any failure, Redis may have restarted), then
         retry the pending releases."""
         now = self._clock()
-        due = now - self._renewed_at >= self.store.lease_ttl_s / 3
+        due = now - self._renewed_at >= self.store.lease_ttl_s / 3 or not self._scripts_loaded
         if (due or self.state is not StoreState.UP) and self._may_call():
             await self._renew()
         if self._pending and self.state is StoreState.UP:
@@ -311,11 +314,12 @@ class SharedQuotas:
         members = {tenant: sorted(held) for tenant, held in self._held.items()}
         self._renewing = asyncio.get_running_loop().create_future()
         try:
-            await self.store.renew(members)
+            await self.store.renew(members, load_scripts=not self._scripts_loaded)
         except QuotaStoreError as e:
             self._failed("renew", e)
         else:
             self._renewed_at = self._clock()
+            self._scripts_loaded = True
             self._succeeded()
         finally:
             self._renewing.set_result(None)

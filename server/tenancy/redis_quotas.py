@@ -127,10 +127,15 @@ class RedisQuotas:
         )  # fmt: skip
         return bool(await self._call(self._release(self._keys(lease.tenant_id), args)))
 
-    async def renew(self, members: dict[str, list[str]]) -> None:
+    async def renew(self, members: dict[str, list[str]], *, load_scripts: bool = False) -> None:
         """Extend the leases `{tenant: [member, ...]}` this replica holds by the lease ttl, taking
-        again any that lapsed or vanished; one pipelined round trip. Raises QuotaStoreError."""
+        again any that lapsed or vanished; one pipelined round trip (and, with `load_scripts`,
+        every script loaded in it, so that the next admissions need no second round trip to
+        load theirs into a Redis that restarted without them). Raises QuotaStoreError."""
         pipe = self._redis.pipeline(transaction=False)
+        if load_scripts:
+            for script in (self._acquire, self._release, self._renew):
+                pipe.script_load(script.script)
         for tenant_id, held in members.items():
             await self._renew(self._keys(tenant_id), [self.lease_ttl_s, *held], client=pipe)
         if not members:

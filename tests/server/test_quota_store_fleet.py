@@ -86,6 +86,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "LORAPLEX_HTTP__ADMIN_TOKEN": TOKEN,
                 "LORAPLEX_TENANCY__QUOTA_STORE": redis.url,
                 "LORAPLEX_TENANCY__QUOTA_STORE_FAILURE": failure,
+                # Far above a round trip: this test is about the failure modes, and CI's 2 cores
+                # run two engines beside it (0.25 s was once exceeded by a burst's first calls).
+                "LORAPLEX_TENANCY__QUOTA_STORE_TIMEOUT_S": "2",
             }
             servers.append(ServerProcess(env=env).start(timeout=600))
         yield Fleet(redis, *servers)
