@@ -6,7 +6,7 @@
 - dense: attention LoRA (qkv, o) by our tiled kernels (`lora_dense_tiled`) and by vLLM's
   `_lora_shrink` + `_lora_expand`, both on vLLM's own `LoRAKernelMeta`;
 - sum: the experts' outputs summed per token with the side-stream down LoRA's deltas
-  (`moe_lora_sum.moe_sum_with_delta`, two (T, k, H) buffers) beside vLLM's `moe_sum` of one
+  (`ops.moe_lora_sum.op.moe_sum_with_delta`, two (T, k, H) buffers) beside vLLM's `moe_sum` of one
   buffer, the op it replaces: not the same work, so the row reports each over its own floor.
 
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_lora_prefill.py --commit SHA --out DIR \

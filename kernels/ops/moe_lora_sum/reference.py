@@ -14,7 +14,7 @@ def moe_sum_with_delta_reference(
     adapter_enabled: torch.Tensor,
     max_loras: int,
 ) -> torch.Tensor:
-    """The spec of `moe_lora_sum.moe_sum_with_delta`: vLLM's moe_sum (each token's k expert
+    """The spec of `op.moe_sum_with_delta`: vLLM's moe_sum (each token's k expert
     outputs summed) of experts_out + delta, where a token's delta rows count only if it carries
     an active slot (the pairs the op writes with add_inputs=False; the other rows of delta may
     hold anything).
