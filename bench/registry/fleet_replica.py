@@ -1,14 +1,17 @@
-"""One replica's catalog follower for the fleet bench: the server's own registry, with no engine.
+"""One replica's catalog and tenant followers for the fleet bench: the server's own code, no engine.
 
     AWS_ACCESS_KEY_ID=<replica> python -m bench.registry.fleet_replica '<config JSON>'
 
 Opens the registry as the server's lifespan does (`open_adapter_source`: the base model's spec,
 the disk cache, the catalog read from the store, then the poll loop every `poll_interval_s`), on
-a stub engine and the tiny base model. Prints JSON lines on stdout: `{"ready": seconds to open,
-"adapters": names}` once open; after a line `watch` on stdin, `{"seen": k, "at":
-time.monotonic()}` when probe name k (`probe_name`) becomes known to the catalog, checked every
-`WATCH_S` (only then: the idle measurement counts the follower's CPU alone). Runs until stdin
-closes.
+a stub engine and the tiny base model, and follows the tenants beside it
+(`fleet_tenants.following_tenants`). Prints JSON lines on stdout: `{"ready": seconds to open,
+"adapters": names, "tenants": tenants}` once open; after a line `watch` on stdin, `{"seen": k,
+"at": time.monotonic()}` when probe name k (`probe_name`) becomes known to the catalog and
+`{"tenant_seen": k, "at": ...}` when tenant change k shows (`fleet_tenants`), each checked every
+`WATCH_S` (only then: the idle measurement counts the followers' CPU alone). A line `change k`
+makes tenant change k here and answers `{"changed": k, "at": ...}` once it is written. Runs until
+stdin closes.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from bench.registry.fleet_tenants import change_tenant, following_tenants, tenant_change_seen
 from bench.registry.stubs import TINY_MODEL_NAME, StubEngine
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.settings import RegistrySettings
+from loraplex.server.tenancy.directory import TenantDirectory
 
 # How often the watcher looks for the next probe name: 100x finer than the default poll (2 s),
 # and 32 replicas waking this often cost the 2-core machine about 2% of a core.
@@ -50,6 +55,15 @@ async def watch(registry: ManagedRegistry) -> None:
         await asyncio.sleep(WATCH_S)
 
 
+async def watch_tenants(directory: TenantDirectory) -> None:
+    k = 0
+    while True:
+        while tenant_change_seen(directory, k):
+            emit({"tenant_seen": k, "at": time.monotonic()})
+            k += 1
+        await asyncio.sleep(WATCH_S)
+
+
 async def follow(config: dict[str, Any]) -> None:
     settings = RegistrySettings(
         store=config["store"],
@@ -61,12 +75,21 @@ async def follow(config: dict[str, Any]) -> None:
         settings, StubEngine(), model_dir=Path(config["model_dir"]),
         base_model_name=TINY_MODEL_NAME, max_lora_rank=64, max_loras=4, max_cpu_loras=8,
         cache_root=Path(config["cache_root"]), metrics_registry=CollectorRegistry(),
-    ) as registry:  # fmt: skip
-        emit({"ready": time.perf_counter() - start, "adapters": len(registry.catalog.names())})
+    ) as registry, following_tenants(registry, settings.poll_interval_s) as tenants:  # fmt: skip
+        emit({
+            "ready": time.perf_counter() - start,
+            "adapters": len(registry.catalog.names()),
+            "tenants": len(tenants.tenants()),
+        })  # fmt: skip
         watchers = []
         while line := await asyncio.to_thread(sys.stdin.readline):  # until stdin closes
-            if line.strip() == "watch":
-                watchers.append(asyncio.create_task(watch(registry)))
+            match line.split():
+                case ["watch"]:
+                    watchers += [asyncio.create_task(watch(registry)),
+                                 asyncio.create_task(watch_tenants(tenants))]  # fmt: skip
+                case ["change", k]:
+                    await change_tenant(tenants, int(k))
+                    emit({"changed": int(k), "at": time.monotonic()})
         for watcher in watchers:
             watcher.cancel()
 
