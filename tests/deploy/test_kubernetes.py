@@ -379,7 +379,7 @@ def _healthcheck_start_period_s(dockerfile: Path) -> int:
 
 def _measured_startups_s() -> list[float]:
     rows = []
-    for path in (REPO / "bench" / "e2e" / "results").glob("*.json"):
+    for path in (REPO / "bench" / "e2e" / "results").glob("*.jsonl"):
         rows += [float(s) for s in re.findall(r'"startup_s":\s*([0-9.]+)', path.read_text())]
     return rows
 
