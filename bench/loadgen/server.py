@@ -9,6 +9,10 @@
   caller (every test that talks to the server over HTTP, the serving benches). The engine is
   heavy (about 30 s to start, several GB), so test modules share one server per module or
   session where they can.
+
+Each server gets its own `cache_dir` unless the caller names one (`own_cache_dir`): a replica
+locks its adapter disk cache for its life, so two servers on the default folder at once (a
+session-wide server beside a module's) wait 30 s and refuse to start.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +50,21 @@ class LiveServer:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def own_cache_dir(folder: Path) -> Path:
+    """A server's own cache_dir at `folder`, sharing the default one's embedded model and demo
+    adapters (symlinked, built there on first use) so no test converts the model twice."""
+    from loraplex.server.demo.adapters import DEMO_ADAPTERS_DIRNAME
+    from loraplex.server.settings import default_cache_dir
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for shared in ("models", DEMO_ADAPTERS_DIRNAME):
+        (default_cache_dir() / shared).mkdir(parents=True, exist_ok=True)
+        link = folder / shared
+        if not link.exists():
+            link.symlink_to(default_cache_dir() / shared, target_is_directory=True)
+    return folder
 
 
 def free_port() -> int:
@@ -95,6 +116,7 @@ def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
     config_path = workdir / "loraplex.yaml"
     config = {**config, "http": {**config.get("http", {}), "port": port}}
     config.setdefault("registry", {}).setdefault("store", str(workdir / "store"))
+    config.setdefault("cache_dir", str(own_cache_dir(workdir / "cache")))
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "LORAPLEX_CONFIG_FILE": str(config_path)}
     log_path = workdir / "server.log"
@@ -155,6 +177,10 @@ class ServerProcess:
     ) -> None:
         self.port = free_port()
         self.env = {**os.environ, **(env or {})}
+        self.own_cache: Path | None = None
+        if "LORAPLEX_CACHE_DIR" not in self.env:
+            self.own_cache = own_cache_dir(Path(tempfile.mkdtemp(prefix="loraplex-cache-")))
+            self.env["LORAPLEX_CACHE_DIR"] = str(self.own_cache)
         self.command = [
             sys.executable,
             "-m",
@@ -173,6 +199,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
+        if self.own_cache is not None:
+            own_cache_dir(self.own_cache)  # again after a stop() removed it
         log = self.log_path.open("wb")
         proc = subprocess.Popen(
             self.command,
@@ -197,13 +225,14 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill9()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        if self.own_cache is not None:
+            shutil.rmtree(self.own_cache, ignore_errors=True)
 
     def kill9(self) -> None:
         """SIGKILL the whole process group, as a crash would."""
