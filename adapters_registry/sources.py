@@ -1,7 +1,9 @@
 """Fetching an adapter from where a user points at it, and publishing its files to the store.
 
-A source is `s3://bucket/prefix/` or a local directory holding PEFT's `adapter_config.json` and
-`adapter_model.safetensors`. Registration copies those two files into the registry's own store,
+A source is `s3://bucket/prefix/`, `hf://org/name[@revision][/folder]` (a model repository on the
+Hugging Face Hub, through its cache: `hub`) or a local directory holding PEFT's
+`adapter_config.json` and `adapter_model.safetensors`. Registration copies those two files into
+the registry's own store,
 content-addressed (`blobs/sha256/<hash>`), so a version stays immutable even if the source
 prefix is overwritten later. Copies stop at the size caps as they read, whatever size the
 source reported (a file can list as 0 bytes and read without end). Everything here blocks and
@@ -15,6 +17,13 @@ from pathlib import Path
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
 from loraplex.adapters_registry.catalog import FileEntry, blob_key
+from loraplex.adapters_registry.hub import (
+    HUB_SCHEME,
+    HubError,
+    HubFolder,
+    HubUnavailable,
+    hub_snapshot,
+)
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.peft_config import CONFIG_FILE, MAX_CONFIG_BYTES
 from loraplex.adapters_registry.settings import RegistrySettings
@@ -50,17 +59,49 @@ def open_source(source: str, settings: RegistrySettings) -> ObjectStore:
             return open_store(source, settings)
         except ValueError as e:
             raise AdapterInvalid(str(e), param="source", reason="source") from e
+    if source.startswith(HUB_SCHEME):
+        return _open_hub(source, settings)
     try:
         is_dir = Path(source).is_dir()
     except OSError as e:  # e.g. a name too long for the file system
         raise AdapterInvalid(f"source: {e}", param="source", reason="source") from e
     if not is_dir:
         raise AdapterInvalid(
-            f"source {source!r} is neither s3://bucket/prefix nor an existing local directory",
+            f"source {source!r} is neither s3://bucket/prefix, hf://org/name nor an existing "
+            "local directory",
             param="source",
             reason="source",
         )
     return LocalStore(Path(source), read_links=True)
+
+
+def _open_hub(source: str, settings: RegistrySettings) -> LocalStore:
+    """The adapter folder of an `hf://` source in the Hugging Face cache, fetched there first if
+    the Hub answers (its two files only, refused by their listed sizes before they move); its
+    files link to the cache's blobs, which the store reads as it reads any linked source."""
+    try:
+        where = HubFolder.parse(source)
+    except ValueError as e:
+        raise AdapterInvalid(f"source: {e}", param="source", reason="source") from e
+    max_bytes = settings.max_adapter_mib * 1024 * 1024
+    try:
+        snapshot = hub_snapshot(
+            where.ref, ADAPTER_FILES, folder=where.folder,
+            check_sizes=lambda sizes: check_listing(sizes, max_bytes),
+        )  # fmt: skip
+    except HubUnavailable as e:
+        raise AdapterUnavailable(f"source {source}: {e.detail}", param="source") from e
+    except HubError as e:
+        raise AdapterInvalid(f"source {source}: {e.detail}", param="source", reason="source") from e
+    folder = snapshot / where.folder
+    if not folder.is_dir() or not folder.resolve().is_relative_to(snapshot.resolve()):
+        raise AdapterInvalid(
+            f"source {source}: {where.ref.repo_id} at commit {snapshot.name} has no folder "
+            f"{where.folder or '/'!r} ({snapshot})",
+            param="source",
+            reason="source",
+        )
+    return LocalStore(folder, read_links=True)
 
 
 def fetch_source(source: str, dest: Path, settings: RegistrySettings) -> None:

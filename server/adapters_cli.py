@@ -2,6 +2,7 @@
 
     loraplex adapters push ./my-adapter s3://bucket/adapters/my-adapter/ [--register acme/bot]
     loraplex adapters register acme/bot s3://bucket/adapters/my-adapter/ [--warm] [--pinned]
+    loraplex adapters register acme/bot hf://acme/loras@main/bot   (also a local directory)
     loraplex adapters list | get NAME | pin NAME | unpin NAME | delete NAME
     loraplex adapters evict NAME --tier cpu|disk | rollback NAME [--version V]
     loraplex adapters quarantine NAME --reason WHY [--version V] | unquarantine NAME [--version V]
@@ -128,9 +129,9 @@ def add_parser(subparsers: Any) -> None:
         ("unpin", "release the GPU pin"), ("delete", "unregister"),
     ):  # fmt: skip
         commands.add_parser(name, help=help_).add_argument("name")
-    p = commands.add_parser("register", help="register an adapter from S3 or a local folder")
+    p = commands.add_parser("register", help="register an adapter from S3, the Hub or a folder")
     p.add_argument("name")
-    p.add_argument("source", help="s3://bucket/prefix/ or a local directory")
+    p.add_argument("source", help="s3://bucket/prefix/, hf://org/name[@rev][/folder] or a folder")
     p.add_argument("--warm", action="store_true", help="load into the engine now")
     p.add_argument("--pinned", action="store_true", help="pin to a GPU slot")
     p = commands.add_parser("evict", help="drop from a tier on the server answering")

@@ -42,7 +42,8 @@ class RegisterRequest(BaseModel):
 
     name: str = Field(description="Adapter name, `adapter` or `tenant/adapter`.")
     source: str = Field(
-        max_length=4096, description="s3://bucket/prefix/ or a local directory (PEFT files)."
+        max_length=4096,
+        description="s3://bucket/prefix/, hf://org/name[@revision][/folder] or a local directory.",
     )  # PATH_MAX is 4096; S3 keys are at most 1024 bytes
     warm: bool = Field(default=False, description="Load it into the engine's CPU cache now.")
     pinned: bool = Field(default=False, description="Keep it in a GPU slot.")

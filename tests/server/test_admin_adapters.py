@@ -30,6 +30,7 @@ from bench.loadgen.polling import poll, wait_until
 from bench.loadgen.server import REPO, ServerProcess
 from loraplex.adapters_registry.disk_cache import sha256_file
 from loraplex.server.demo.adapters import DemoAdapterSpec, write_adapter
+from tests.support.hub_cache import cache_repo
 from tests.support.s3_rig import S3Rig
 
 TOKEN = "test-admin-token"
@@ -75,6 +76,9 @@ class Cluster:
             "LORAPLEX_REGISTRY__POLL_INTERVAL_S": "0.5",
             "LORAPLEX_CACHE_DIR": str(self.tmp / name),
             "LORAPLEX_HTTP__ADMIN_TOKEN": TOKEN,
+            # The Hugging Face cache hf:// sources resolve through; no network here.
+            "HF_HUB_CACHE": str(self.tmp / "hf-hub"),
+            "HF_HUB_OFFLINE": "1",
         }
 
     def stop_a(self) -> None:
@@ -206,6 +210,26 @@ def test_cli_push_uploads_and_registers(cluster: Cluster) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["name"] == "cli-bot"
     assert chat(cluster.a, "cli-bot").status_code == 200
+
+
+def test_an_adapter_from_the_hugging_face_hub_serves_on_both_replicas(cluster: Cluster) -> None:
+    """hf://org/name@revision/folder from the Hub's cache as huggingface_hub lays it out: A
+    registers it, both replicas serve it (B from the registry's store, by its sha256); a revision
+    the cache lacks is a 400 naming the source."""
+    spec = DemoAdapterSpec("hub-attn", seed=15, rank=8, targets=("q_proj", "v_proj"), b_std=0.03)
+    write_adapter(cluster.model_dir, spec, cluster.tmp / "hub-src" / "attn")
+    cache_repo(cluster.tmp / "hf-hub", "acme/lora-pack", cluster.tmp / "hub-src")
+    created = register(cluster.a, "hub-attn", "hf://acme/lora-pack@main/attn")
+    assert created.status_code == 201, created.text
+    assert created.json()["source"] == "hf://acme/lora-pack@main/attn"
+    assert chat(cluster.a, "hub-attn").status_code == 200
+    eventually(lambda: sees(cluster.b, "hub-attn"))
+    assert chat(cluster.b, "hub-attn").status_code == 200
+    assert admin(cluster.b, "GET", "/hub-attn").json()["version"] == created.json()["version"]
+    missing = register(cluster.a, "hub-v9", "hf://acme/lora-pack@v9/attn")
+    error = missing.json()["error"]
+    assert missing.status_code == 400 and error["param"] == "source"
+    assert "hf://acme/lora-pack@v9/attn" in error["message"] and "'v9'" in error["message"]
 
 
 def test_s3_failure_is_a_503_naming_the_adapter(cluster: Cluster) -> None:
