@@ -1,33 +1,40 @@
-"""Admin operations over the registry: register, list, get, pin, unpin, evict, delete, rollback,
-quarantine and unquarantine.
+"""The registry the server holds: the gateway's `AdapterSource` and the admin operations (register,
+list, get, pin, unpin, evict, delete, rollback, quarantine and unquarantine).
 
-Each operation that changes what a name means appends one event to the shared catalog log, so
-every replica converges on it; tier moves (warm, pin, evict) act on this replica's engine and disk.
-Nothing is registered until the adapter has been fetched, validated, hashed and published: a
-failure at any step leaves the catalog and the caches as they were.
+The operations are composed from the source's parts. Each one that changes what a name means plans
+one event on the fresh catalog and appends it (`CatalogSync.append`), so every replica converges on
+it, then moves this replica's engine to the result (`AdapterRegistry.reconcile`); tier moves (warm,
+pin, evict) act on this replica's residency. Registration appends nothing until the version is
+fetched, validated, hashed and published (`registration`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from loraplex.adapters_registry.base import (
     AdapterConflict,
-    AdapterInvalid,
     AdapterNotFound,
-    AdapterUnavailable,
+    ServableAdapter,
 )
-from loraplex.adapters_registry.catalog import Catalog, VersionRecord
-from loraplex.adapters_registry.disk_cache import CacheError, digest_folder
+from loraplex.adapters_registry.events import (
+    Deleted,
+    Event,
+    Moved,
+    PinSet,
+    Registered,
+    Unquarantined,
+)
+from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.names import check_name, check_new_name
+from loraplex.adapters_registry.pins import PinLimit
+from loraplex.adapters_registry.records import VersionRecord
+from loraplex.adapters_registry.registration import Registrar
 from loraplex.adapters_registry.registry import AdapterRegistry
-from loraplex.adapters_registry.sources import fetch_source, publish_blobs
-from loraplex.adapters_registry.store import StoreError
-from loraplex.adapters_registry.validation import ADAPTER_FILES, validate_adapter
 
 EvictTier = Literal["cpu", "disk"]
 
@@ -55,8 +62,52 @@ class AdapterInfo:
     quarantine_reason: str | None
 
 
-class ManagedRegistry(AdapterRegistry):
-    """The registry the server holds: an `AdapterSource` plus the admin operations."""
+@dataclass(eq=False)
+class ManagedRegistry:
+    source: AdapterRegistry
+    registrar: Registrar
+    pins: PinLimit
+    metrics: RegistryMetrics
+
+    def __post_init__(self) -> None:
+        # The parts the operations compose, shared with `source` (the start-up sweep, the
+        # benchmarks and tests read them too).
+        source = self.source
+        self.settings = source.settings
+        self.sync, self.catalog, self.store = source.sync, source.catalog, source.sync.store
+        self.residency, self.quarantines = source.residency, source.quarantines
+        self.tiers, self.cache = source.residency.tiers, source.residency.cache
+
+    # ---- the gateway's AdapterSource, and following the catalog: the source's ----
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def resolve(self, model: str) -> VersionRecord:
+        return self.source.resolve(model)
+
+    def lookup(self, model: str) -> VersionRecord:
+        return self.source.lookup(model)
+
+    async def prefetch(self, name: str) -> None:
+        await self.source.prefetch(name)
+
+    def lease(self, name: str) -> AbstractAsyncContextManager[ServableAdapter]:
+        return self.source.lease(name)
+
+    async def quarantine(self, name: str, version: str, reason: str) -> None:
+        await self.source.quarantine(name, version, reason)
+
+    async def refresh(self) -> None:
+        await self.source.refresh()
+
+    async def poll_forever(self) -> None:
+        await self.source.poll_forever()
+
+    def stop_background(self) -> None:
+        self.source.stop_background()
+
+    # ---- admin operations ----
 
     def info(self, name: str) -> AdapterInfo:
         check_name(name)
@@ -73,7 +124,7 @@ class ManagedRegistry(AdapterRegistry):
             base_model=record.base_model,
             source=record.source,
             created_at=record.created_at,
-            tier=self.tier_of(record),
+            tier=self.residency.tier_of(record),
             pinned=entry.pinned,
             last_used=self.tiers.last_used(record.engine_id),
             in_flight=self.tiers.leases(record.engine_id),
@@ -92,94 +143,69 @@ class ManagedRegistry(AdapterRegistry):
         with `pinned`, then pin it (`set_pinned`: on the engine first, then in the catalog).
         A pin refused then (another pin took the last slot meanwhile) is a 409 that says the
         registration stands."""
-        check_new_name(name, self.spec.name)
-        if pinned and len(self._pins_besides(name)) >= self.tiers.max_pinned:
-            raise AdapterConflict(
-                f"cannot pin `{name}`: {self.tiers.max_pinned} adapters are pinned already "
-                "(the limit is engine.max_loras - 1)",
-                param="pinned",
-            )
-        tmp = self.cache.new_temp_dir()
-        try:
-            await asyncio.to_thread(fetch_source, source, tmp, self.settings)
-            checked = await asyncio.to_thread(
-                validate_adapter, tmp, self.spec, max_lora_rank=self.max_lora_rank,
-                allowed_dtypes=set(self.settings.allowed_dtypes),
-                max_weight_abs=self.settings.max_weight_abs,
-            )  # fmt: skip
-            version, files = await asyncio.to_thread(digest_folder, tmp, ADAPTER_FILES)
-            await asyncio.to_thread(publish_blobs, self.store, tmp, files)
-            await asyncio.to_thread(self.cache.install, version, tmp, files)
-        except AdapterInvalid as e:
-            self.metrics.validation_failures.labels(e.reason).inc()
-            raise
-        except (StoreError, CacheError) as e:
-            raise AdapterUnavailable(f"registering `{name}` failed: {e}", param="source") from e
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        check_new_name(name, self.registrar.spec.name)
+        if pinned:  # before any fetch
+            self.pins.check(name, self._pinned_besides(name), "on this replica")
+        prepared = await self.registrar.prepare(name, source)
 
-        def plan() -> dict[str, Any] | None:
-            known = self.catalog.versions(name).get(version)
+        def plan() -> Event | None:
+            known = self.catalog.versions(name).get(prepared.version)
             entry = self.catalog.entry(name)
             if known is None:
                 record = VersionRecord(
-                    name, version, self.catalog.next_engine_id(), checked.rank, files,
-                    self.spec.name, source, time.time(),
+                    name, prepared.version, self.catalog.next_engine_id(), prepared.rank,
+                    prepared.files, self.registrar.spec.name, source, time.time(),
                 )  # fmt: skip
                 # A new version of a pinned name inherits the pin (on every replica).
-                return Catalog.register_event(record, bool(entry and entry.pinned))
-            if entry is None or entry.version != version:
-                return Catalog.event("move", name, version=version)
+                return Registered(name=name, record=record, pinned=bool(entry and entry.pinned))
+            if entry is None or entry.version != prepared.version:
+                return Moved(name=name, version=prepared.version)
             return None
 
-        await self._append(plan)
+        await self.sync.append(plan)
         if warm and not pinned:
-            await self.warm(self.lookup(name))
-        await self._reconcile()
+            await self.residency.warm(self.lookup(name))
+        await self.source.reconcile()
         if pinned:
             try:
                 return await self.set_pinned(name, True)
             except AdapterConflict as e:
                 raise AdapterConflict(
-                    f"`{name}` is registered (version {version}) but not pinned: {e.message}",
+                    f"`{name}` is registered (version {prepared.version}) but not pinned: "
+                    f"{e.message}",
                     param="pinned",
                 ) from e
         return self.info(name)
 
-    def _pins_besides(self, name: str) -> set[int]:
-        """Engine ids pinned on this replica other than `name`'s current version's, whose pin
-        a new version takes over."""
+    def _pinned_besides(self, name: str) -> tuple[str, ...]:
+        """Names pinned on this replica other than `name`'s current version, whose pin a new
+        version takes over."""
         try:
-            own = {self.lookup(name).engine_id}
+            own = self.lookup(name).engine_id
         except AdapterNotFound:
-            own = set()
-        return self.tiers.pinned_ids() - own
+            own = None
+        return tuple(held for id_, held in self.tiers.pinned_names().items() if id_ != own)
 
     async def set_pinned(self, name: str, pinned: bool) -> AdapterInfo:
         """Pin (or unpin) `name` on every replica. Pinning a quarantined version is a 422."""
         record = self.lookup(check_name(name))
         if pinned and record.engine_id not in self.tiers.pinned_ids():
-            await self._pin_record(record)  # fails here, before the catalog says "pinned"
+            await self.residency.pin(record)  # fails here, before the catalog says "pinned"
 
-        def plan() -> dict[str, Any] | None:
+        def plan() -> Event | None:
             entry = self.catalog.entry(name)
             if entry is None or entry.pinned == pinned:
                 return None
-            # The engine's limit held on this replica; the catalog's counts every replica's
-            # pins (two replicas pinning at once would each keep its own pin, forever).
-            others = [n for n in self.catalog.names() if n != name and self.catalog.is_pinned(n)]
-            if pinned and len(others) >= self.tiers.max_pinned:
-                raise AdapterConflict(
-                    f"cannot pin `{name}`: {', '.join(others)} already pinned in the catalog "
-                    f"(at most {self.tiers.max_pinned}: engine.max_loras - 1)",
-                    param="pinned",
-                )
-            return Catalog.event("pin", name, pinned=pinned)
+            if pinned:  # the catalog counts every replica's pins
+                catalog = self.catalog
+                others = [n for n in catalog.names() if n != name and catalog.is_pinned(n)]
+                self.pins.check(name, others, "in the catalog")
+            return PinSet(name=name, pinned=pinned)
 
         try:
-            await self._append(plan)
+            await self.sync.append(plan)
         finally:
-            await self._reconcile()  # also drops this replica's pin where the catalog refused
+            await self.source.reconcile()  # also drops this replica's pin where the catalog refused
         return self.info(name)
 
     async def evict(self, name: str, tier: EvictTier) -> AdapterInfo:
@@ -189,9 +215,7 @@ class ManagedRegistry(AdapterRegistry):
         record = self.lookup(check_name(name))
         if self.catalog.is_pinned(name):
             raise AdapterConflict(f"`{name}` is pinned; unpin it before evicting", param="tier")
-        if self.tiers.tier(record.engine_id) is not None and not await self.tiers.evict(
-            record.engine_id, self.settings.delete_drain_s
-        ):
+        if not await self.residency.unload(record, self.settings.delete_drain_s):
             raise AdapterConflict(
                 f"`{name}` still has requests in flight after {self.settings.delete_drain_s}s",
                 param="tier",
@@ -206,7 +230,7 @@ class ManagedRegistry(AdapterRegistry):
         check_name(name)
         target = self.lookup(f"{name}@{version}").version if version else None
 
-        def plan() -> dict[str, Any] | None:
+        def plan() -> Event | None:
             entry = self.catalog.entry(name)
             if entry is None:
                 self.lookup(name)  # raises AdapterNotFound
@@ -226,10 +250,10 @@ class ManagedRegistry(AdapterRegistry):
                 )
             if to == entry.version:
                 return None
-            return Catalog.event("move", name, version=to, rollback=True)
+            return Moved(name=name, version=to, rollback=True)
 
-        await self._append(plan)
-        await self._reconcile()
+        await self.sync.append(plan)
+        await self.source.reconcile()
         return self.info(name)
 
     async def set_quarantined(
@@ -245,13 +269,13 @@ class ManagedRegistry(AdapterRegistry):
             return self.info(name)
         self.quarantines.forget(name, record.version)  # not to be written at the next poll
 
-        def plan() -> dict[str, Any] | None:
+        def plan() -> Event | None:
             if self.catalog.quarantine_of(name, record.version) is None:
                 return None
-            return Catalog.event("unquarantine", name, version=record.version)
+            return Unquarantined(name=name, version=record.version)
 
-        await self._append(plan)
-        await self._reconcile()
+        await self.sync.append(plan)
+        await self.source.reconcile()
         return self.info(name)
 
     async def delete(self, name: str) -> None:
@@ -259,10 +283,9 @@ class ManagedRegistry(AdapterRegistry):
         record = self.lookup(check_name(name))
         versions = list(self.catalog.versions(name).values())
 
-        def plan() -> dict[str, Any] | None:
-            return Catalog.event("delete", name) if self.catalog.entry(name) else None
+        def plan() -> Event | None:
+            return Deleted(name=name) if self.catalog.entry(name) else None
 
-        await self._append(plan)
+        await self.sync.append(plan)
         for r in versions or [record]:
-            if self.tiers.tier(r.engine_id) is not None:
-                await self.tiers.evict(r.engine_id, self.settings.delete_drain_s)
+            await self.residency.unload(r, self.settings.delete_drain_s)

@@ -12,9 +12,10 @@ the whole log.
 Engine ids are allocated by the log (one more than the largest ever given), so an id names exactly
 one version's bytes for the life of the store, across restarts and replicas.
 
-A version's health is in the log too: a `quarantine` event takes one version out of service on
-every replica (its bytes made the engine produce non-finite values, say), `unquarantine` puts it
-back. Registering new bytes under the name moves the name to a new, healthy version.
+The events are typed (`events`). A version's health is in the log too: `Quarantined` takes one
+version out of service on every replica (its bytes made the engine produce non-finite values,
+say), `Unquarantined` puts it back. Registering new bytes under the name moves the name to a new,
+healthy version.
 
 This class holds state only; it does no I/O except through the `fetch_*`/`write_*` methods, which
 block and are run in threads. `apply` mutates and must be called on one task at a time.
@@ -25,14 +26,25 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, assert_never
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotFound
+from loraplex.adapters_registry.events import (
+    Deleted,
+    Event,
+    Moved,
+    PinSet,
+    Quarantined,
+    Registered,
+    Unquarantined,
+    from_json,
+    to_json,
+)
 from loraplex.adapters_registry.names import AdapterRef
+from loraplex.adapters_registry.records import VersionRecord
 from loraplex.adapters_registry.store import (
     ObjectExists,
     ObjectMissing,
@@ -46,9 +58,8 @@ SNAPSHOT_EVERY = 256
 # Waits before each read of a log entry whose write was refused as conflicting, for the other
 # write to land (`Catalog._settled_event`): reads at 0, 0.1, 0.3, 0.7, 1.5 and 3.1 s.
 WRITE_SETTLE_DELAYS_S = (0.0, 0.1, 0.2, 0.4, 0.8, 1.6)
-# Log entries a start reads at once (`Catalog.fetch_tail`): a tail of 232 entries took 2.3 s
-# one by one from moto on the 2-core machine, 1.2 s 8 at a time (16: 1.0 s; moto's own CPU bounds
-# it there); S3Store pools 16 connections.
+# Log entries a start reads at once (`Catalog.fetch_tail`): a 232-entry tail from moto, 2.3 s one
+# by one, took 1.2 s 8 at a time (docs/architecture.md); S3Store pools 16 connections.
 TAIL_READERS = 8
 BLOB_PREFIX = "blobs/sha256/"
 
@@ -61,38 +72,6 @@ def log_key(seq: int) -> str:
 
 def blob_key(sha256: str) -> str:
     return BLOB_PREFIX + sha256
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One file of a version: its name inside the adapter folder and its content hash."""
-
-    name: str
-    sha256: str
-    size: int
-
-
-@dataclass(frozen=True)
-class VersionRecord:
-    """One immutable version of an adapter. `version` is the sha256 over its files."""
-
-    name: str
-    version: str
-    engine_id: int
-    rank: int
-    files: tuple[FileEntry, ...]
-    base_model: str
-    source: str
-    created_at: float
-
-    @property
-    def size_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> VersionRecord:
-        files = tuple(FileEntry(**f) for f in d["files"])
-        return cls(**{**d, "files": files})
 
 
 class VersionHealth(Enum):
@@ -221,41 +200,46 @@ class Catalog:
 
     # ---- mutation (one task at a time) ----
 
-    def apply(self, seq: int, event: dict[str, Any]) -> None:
+    def apply(self, seq: int, event: Event | None) -> None:
+        """Apply event `seq` (None: an op this release does not know, skipped)."""
         self._live_ids = self._pinned = None
-        op, name, at = event["op"], event["name"], float(event.get("at", 0.0))
-        if op == "register":
-            record = VersionRecord.from_json(event["record"])
-            self._versions.setdefault(name, {})[record.version] = record
-            self._max_engine_id = max(self._max_engine_id, record.engine_id)
-            self._move(name, record.version, at)
-            self._names[name].pinned = bool(event.get("pinned", self._names[name].pinned))
-        elif op == "move":
-            # Only to a version the name has: a rollback planned on a replica's stale state
-            # could name one deleted meanwhile, which resolve() cannot serve.
-            if event["version"] in self._versions.get(name, {}):
-                self._move(name, event["version"], at, rollback=bool(event.get("rollback")))
-            else:
-                log.warning("catalog event %d moves `%s` to unknown version %s: ignored",
-                            seq, name, event["version"])  # fmt: skip
-        elif op == "pin":
-            if name in self._names:
-                self._names[name].pinned = bool(event["pinned"])
-        elif op == "quarantine":
-            if event["version"] in self._versions.get(name, {}):
-                why = Quarantine(str(event["reason"]), at)
-                self._quarantined.setdefault(name, {}).setdefault(event["version"], why)
-        elif op == "unquarantine":
-            versions = self._quarantined.get(name, {})
-            versions.pop(event["version"], None)
-            if not versions:
+        match event:
+            case Registered(name=name, record=record, pinned=pinned, at=at):
+                self._versions.setdefault(name, {})[record.version] = record
+                self._max_engine_id = max(self._max_engine_id, record.engine_id)
+                self._move(name, record.version, at)
+                if pinned is not None:
+                    self._names[name].pinned = pinned
+            case Moved(name=name, version=version, rollback=rollback, at=at):
+                # Only to a version the name has: a rollback planned on a replica's stale state
+                # could name one deleted meanwhile, which resolve() cannot serve.
+                if version in self._versions.get(name, {}):
+                    self._move(name, version, at, rollback=rollback)
+                else:
+                    log.warning("catalog event %d moves `%s` to unknown version %s: ignored",
+                                seq, name, version)  # fmt: skip
+            case PinSet(name=name, pinned=pinned):
+                if name in self._names:
+                    self._names[name].pinned = pinned
+            case Quarantined(name=name, version=version, reason=reason, at=at):
+                if version in self._versions.get(name, {}):
+                    why = Quarantine(reason, at)
+                    self._quarantined.setdefault(name, {}).setdefault(version, why)
+            case Unquarantined(name=name, version=version):
+                versions = self._quarantined.get(name, {})
+                versions.pop(version, None)
+                if not versions:
+                    self._quarantined.pop(name, None)
+            case Deleted(name=name):
+                # Its versions go too: a later registration of the name starts a fresh history
+                # and gets fresh engine ids (`_max_engine_id` remembers every id ever given).
+                self._names.pop(name, None)
+                self._versions.pop(name, None)
                 self._quarantined.pop(name, None)
-        elif op == "delete":
-            # Its versions go too: a later registration of the name starts a fresh history and
-            # gets fresh engine ids (`_max_engine_id` remembers every id ever given).
-            self._names.pop(name, None)
-            self._versions.pop(name, None)
-            self._quarantined.pop(name, None)
+            case None:
+                pass
+            case _:
+                assert_never(event)
         self.last_seq = seq
 
     def _move(self, name: str, version: str, at: float, rollback: bool = False) -> None:
@@ -270,16 +254,6 @@ class Catalog:
         elif entry.version != version:
             entry.history.append(entry.version)
         entry.version, entry.updated_at = version, at
-
-    # ---- event construction (pure) ----
-
-    @staticmethod
-    def event(op: str, name: str, **fields: Any) -> dict[str, Any]:
-        return {"op": op, "name": name, "at": time.time(), "id": uuid.uuid4().hex, **fields}
-
-    @staticmethod
-    def register_event(record: VersionRecord, pinned: bool) -> dict[str, Any]:
-        return Catalog.event("register", record.name, record=asdict(record), pinned=pinned)
 
     # ---- store I/O (blocking: run in a thread) ----
 
@@ -304,8 +278,8 @@ class Catalog:
         self._drop_dangling_versions()
 
     def _drop_dangling_versions(self) -> None:
-        """A snapshot written before moves were checked (`apply`) may point a name at a version
-        it does not have: back to the last one its history has, or the name goes."""
+        """A snapshot may point a name at a version it does not have (replicas that did not check
+        moves wrote such): back to the last one its history has, or the name goes."""
         for name, entry in list(self._names.items()):
             versions = self._versions.get(name, {})
             if entry.version in versions:
@@ -322,23 +296,22 @@ class Catalog:
                 self._versions.pop(name, None)
                 self._quarantined.pop(name, None)
 
-    def fetch_events(self) -> list[tuple[int, dict[str, Any]]]:
+    def fetch_events(self) -> list[tuple[int, Event | None]]:
         """Events after `last_seq` in order, stopping at the first gap (a write not yet seen),
         read by key one at a time: what a poll does.
 
-        A poll costs one GET per new entry and one answered 404, however long the log. Listing
-        the log instead made the S3 server pass over the bucket's keys (moto: 50 ms of its CPU
-        for a 10,000-adapter bucket): on every poll, 32 replicas kept it 58% busy; on every
-        change, their 32 LISTs queued for up to 9 s. S3 answers a missing key with 404, not 403,
-        only to callers allowed s3:ListBucket, which `fetch_snapshot` needs anyway."""
+        A poll costs one GET per new entry and one answered 404, however long the log: a LIST
+        makes S3 pass over the bucket's keys (moto: 50 ms of its CPU at 10,000 adapters). S3
+        answers a missing key with 404, not 403, only to callers allowed s3:ListBucket, which
+        `fetch_snapshot` needs anyway."""
         events = []
         seq = self.last_seq + 1
         while (event := self._fetch_event(seq)) is not None:
-            events.append((seq, event))
+            events.append((seq, from_json(event)))
             seq += 1
         return events
 
-    def fetch_tail(self) -> list[tuple[int, dict[str, Any]]]:
+    def fetch_tail(self) -> list[tuple[int, Event | None]]:
         """The same events, listed once and read `TAIL_READERS` at a time: what a start does,
         whose tail after the snapshot holds up to `SNAPSHOT_EVERY` - 1 entries."""
         seqs: list[int] = []
@@ -352,21 +325,21 @@ class Catalog:
             for seq, event in zip(seqs, pool.map(self._fetch_event, seqs), strict=True):
                 if event is None:
                     break
-                events.append((seq, event))
+                events.append((seq, from_json(event)))
         return events
 
     def _fetch_event(self, seq: int) -> dict[str, Any] | None:
-        """Event `seq`, or None if it is not there (yet)."""
+        """Event `seq` as stored, or None if it is not there (yet)."""
         try:
             return dict(json.loads(self.store.get_bytes(log_key(seq))))
         except ObjectMissing:
             return None
 
-    def write_event(self, seq: int, event: dict[str, Any]) -> bool:
+    def write_event(self, seq: int, event: Event) -> bool:
         """Append `event` as number `seq`: True once it is there, False if another writer took
         `seq`. Number `seq` taken by this very event (a retried write) counts as written."""
         try:
-            self.store.put_bytes(log_key(seq), json.dumps(event).encode(), if_absent=True)
+            self.store.put_bytes(log_key(seq), json.dumps(to_json(event)).encode(), if_absent=True)
         except ObjectExists as conflict:
             stored = self._settled_event(seq)
             if stored is None:  # failed, or still coming: whose it is cannot be told yet
@@ -374,7 +347,7 @@ class Catalog:
                     f"{log_key(seq)}: a conflicting write has not landed after "
                     f"{sum(WRITE_SETTLE_DELAYS_S):.1f} s"
                 ) from conflict
-            return bool(stored.get("id")) and stored.get("id") == event["id"]
+            return bool(stored.get("id")) and stored.get("id") == event.id
         return True
 
     def _settled_event(self, seq: int) -> dict[str, Any] | None:

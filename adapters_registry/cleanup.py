@@ -26,8 +26,9 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.adapters_registry.catalog import BLOB_PREFIX
+from loraplex.adapters_registry.catalog_sync import CatalogSync
+from loraplex.adapters_registry.disk_cache import DiskCache
 from loraplex.adapters_registry.local_store import LocalStore
-from loraplex.adapters_registry.registry import AdapterRegistry
 from loraplex.adapters_registry.store import ObjectMissing, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -41,17 +42,19 @@ class Swept:
     cache: list[str] = field(default_factory=list)
 
 
-async def sweep_leftovers(registry: AdapterRegistry) -> Swept:
-    """Remove the store's and the disk cache's leftovers (module docstring). A store that fails
-    meanwhile is logged: start-up goes on, and the next one sweeps again."""
-    store = registry.store
+async def sweep_leftovers(sync: CatalogSync, cache: DiskCache, orphan_grace_s: float) -> Swept:
+    """Remove the leftovers of the catalog's store and of the disk cache (module docstring),
+    blobs no version references only once `orphan_grace_s` old where other replicas may use the
+    store. A store that fails meanwhile is logged: start-up goes on, and the next one sweeps
+    again."""
+    store = sync.store
     alone = isinstance(store, LocalStore) and await asyncio.to_thread(store.claim_users_lock)
     swept = Swept()
     try:
-        grace = 0.0 if alone else registry.settings.orphan_grace_s
+        grace = 0.0 if alone else orphan_grace_s
         blobs = await asyncio.to_thread(store.list_keys, BLOB_PREFIX)
-        await registry.refresh()  # the catalog as of after the listing
-        referenced = {BLOB_PREFIX + sha for sha in registry.catalog.referenced_blobs()}
+        await sync.refresh()  # the catalog as of after the listing
+        referenced = {BLOB_PREFIX + sha for sha in sync.catalog.referenced_blobs()}
         orphans = [key for key in blobs if key not in referenced]
         swept.store = await asyncio.to_thread(_remove_stale, store, orphans, grace)
         swept.store += await asyncio.to_thread(store.remove_partial_writes, grace)
@@ -60,7 +63,7 @@ async def sweep_leftovers(registry: AdapterRegistry) -> Swept:
     finally:
         if isinstance(store, LocalStore):
             await asyncio.to_thread(store.share_users_lock)
-    swept.cache = await asyncio.to_thread(registry.cache.retain, registry.catalog.all_versions())
+    swept.cache = await asyncio.to_thread(cache.retain, sync.catalog.all_versions())
     if swept.store or swept.cache:
         log.info(
             "start-up removed leftovers: %d from %s (%s), %d cached versions no adapter has",

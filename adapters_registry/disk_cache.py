@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loraplex.adapters_registry.catalog import FileEntry
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.records import FileEntry
 
 MANIFEST = "files.json"
 LOCK_WAIT_S = 30.0

@@ -56,11 +56,10 @@ def parse_object_entrywise(
 ) -> dict[str, Any]:
     """The JSON object `text`, parsed one top-level entry at a time by json's C scanner.
 
-    One `json.loads` of a 4 MB safetensors header held the GIL for 50-140 ms (2-core machine under
-    load), stalling every stream that long; entry by entry, a waiting thread gets the GIL at the
-    next switch interval (stalls of ~13 ms, as any Python loop). Raises `on_too_many(max_entries)`
-    past `max_entries` entries, ValueError (json.JSONDecodeError) on malformed JSON and
-    RecursionError on nesting deeper than the scanner's stack."""
+    One `json.loads` of a 4 MB safetensors header holds the GIL, stalling every stream, for
+    50-140 ms; entry by entry, a waiting thread gets it at the next switch interval. Raises
+    `on_too_many(max_entries)` past `max_entries` entries, ValueError (json.JSONDecodeError) on
+    malformed JSON and RecursionError on nesting deeper than the scanner's stack."""
     decoder = json.JSONDecoder(parse_int=parse_int)
     scan = decoder.scan_once  # type: ignore[attr-defined]
 

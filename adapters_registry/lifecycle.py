@@ -21,17 +21,25 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import NotRequired, TypedDict, Unpack
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.base import AdapterError
 from loraplex.adapters_registry.base_model import load_base_model_spec
+from loraplex.adapters_registry.catalog import Catalog
+from loraplex.adapters_registry.catalog_sync import CatalogSync
 from loraplex.adapters_registry.cleanup import sweep_leftovers
 from loraplex.adapters_registry.disk_cache import DiskCache
 from loraplex.adapters_registry.engine import EngineLoraControl
 from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.names import check_new_name
+from loraplex.adapters_registry.pins import PinLimit
+from loraplex.adapters_registry.quarantine import Quarantines
+from loraplex.adapters_registry.registration import Registrar
+from loraplex.adapters_registry.registry import AdapterRegistry
+from loraplex.adapters_registry.residency import Residency
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import open_store
 from loraplex.adapters_registry.tiers import EngineTiers
@@ -40,31 +48,39 @@ from loraplex.adapters_registry.validation import CONFIG_FILE
 log = logging.getLogger(__name__)
 
 
+class RegistryShape(TypedDict):
+    """What a registry is built for: the served base model, the engine's adapter slots, where
+    its disk cache (and, with registry.store unset, its store) lives, and its metrics."""
+
+    model_dir: Path
+    base_model_name: str
+    max_lora_rank: int
+    max_loras: int
+    max_cpu_loras: int
+    cache_root: Path
+    metrics_registry: NotRequired[CollectorRegistry]  # default: prometheus_client's REGISTRY
+
+
 async def build_registry(
-    settings: RegistrySettings,
-    engine: EngineLoraControl,
-    *,
-    model_dir: Path,
-    base_model_name: str,
-    max_lora_rank: int,
-    max_loras: int,
-    max_cpu_loras: int,
-    cache_root: Path,
-    metrics_registry: CollectorRegistry = REGISTRY,
+    settings: RegistrySettings, engine: EngineLoraControl, **shape: Unpack[RegistryShape]
 ) -> ManagedRegistry:
     """The registry with its catalog read, not yet seeded or polling (tests and benchmarks)."""
-    metrics = RegistryMetrics(metrics_registry)
-    spec = await asyncio.to_thread(load_base_model_spec, model_dir, base_model_name)
+    metrics = RegistryMetrics(shape.get("metrics_registry", REGISTRY))
+    spec = await asyncio.to_thread(
+        load_base_model_spec, shape["model_dir"], shape["base_model_name"]
+    )
+    cache_root = shape["cache_root"]
     store = open_store(settings.store or str(cache_root / "store"), settings)
     capacity = int(settings.disk_cache_gib * 1024**3)
     cache = await asyncio.to_thread(DiskCache, cache_root / "disk", capacity, metrics)
-    tiers = EngineTiers(
-        engine, max_cpu=max_cpu_loras, max_pinned=max(0, max_loras - 1), metrics=metrics
-    )
-    registry = ManagedRegistry(
-        settings, store=store, cache=cache, tiers=tiers, spec=spec,
-        max_lora_rank=max_lora_rank, metrics=metrics,
-    )  # fmt: skip
+    pins = PinLimit.for_max_loras(shape["max_loras"])
+    tiers = EngineTiers(engine, max_cpu=shape["max_cpu_loras"], pins=pins, metrics=metrics)
+    catalog = Catalog(store)
+    quarantines = Quarantines(catalog, metrics)
+    residency = Residency(tiers, cache, store, quarantines, metrics)
+    source = AdapterRegistry(settings, CatalogSync(catalog, metrics), residency, quarantines)
+    registrar = Registrar(settings, spec, shape["max_lora_rank"], store, cache, metrics)
+    registry = ManagedRegistry(source, registrar, pins, metrics)
     try:
         await registry.refresh()
     except BaseException:
@@ -80,7 +96,7 @@ async def seed(registry: ManagedRegistry, folder: Path) -> None:
     )
     for sub in subfolders:
         try:
-            check_new_name(sub.name, registry.spec.name)
+            check_new_name(sub.name, registry.registrar.spec.name)
         except AdapterError as e:  # a folder a name cannot take must not stop the start
             log.warning("adapter folder %s not registered: %s", sub, e.message)
             continue
@@ -93,23 +109,13 @@ async def open_adapter_source(
     settings: RegistrySettings,
     engine: EngineLoraControl,
     *,
-    model_dir: Path,
-    base_model_name: str,
-    max_lora_rank: int,
-    max_loras: int,
-    max_cpu_loras: int,
-    cache_root: Path,
     seed_dir: Path | None = None,
-    metrics_registry: CollectorRegistry = REGISTRY,
+    **shape: Unpack[RegistryShape],
 ) -> AsyncIterator[ManagedRegistry]:
     """The server's registry for the life of the block (see the module docstring)."""
-    registry = await build_registry(
-        settings, engine, model_dir=model_dir, base_model_name=base_model_name,
-        max_lora_rank=max_lora_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-        cache_root=cache_root, metrics_registry=metrics_registry,
-    )  # fmt: skip
+    registry = await build_registry(settings, engine, **shape)
     try:
-        await sweep_leftovers(registry)
+        await sweep_leftovers(registry.sync, registry.cache, settings.orphan_grace_s)
         folder = settings.local_dir or seed_dir
         if folder is not None:
             await seed(registry, folder)

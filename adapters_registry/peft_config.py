@@ -24,16 +24,14 @@ from loraplex.adapters_registry.json_values import excerpt, is_int, is_number, p
 CONFIG_FILE = "adapter_config.json"
 # Inits that only set starting weights, so the saved adapter is a plain LoRA (vLLM's list).
 _PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
-# PEFT writes configs of 1-3 KiB. Parsing holds the GIL throughout: 1 MiB of small JSON entries
-# took 94 ms on the 2-core machine, and an 80 MB config stalled every stream 4.5 s.
+# PEFT writes configs of 1-3 KiB; parsing holds the GIL throughout (1 MiB of JSON: 94 ms).
 MAX_CONFIG_BYTES = 256 * 1024
 # Parentheses a module-name pattern may nest: real ones nest 1-3 deep, and the `regex` package
 # compiles recursively (a pattern nested 500 deep raised RecursionError).
 MAX_PATTERN_DEPTH = 32
 # The matching time one adapter's module-name patterns (target_modules as a string, rank_pattern
-# keys) may take, together. Ordinary patterns take microseconds a name; one that backtracks
-# catastrophically grows with the name: `([\w.]|[\w.][\w.]|[\w.][\w.][\w.])*\d` took 19.6 s
-# against one 31-character module name, and takes about 1.84x longer per character.
+# keys) may take, together: microseconds a name, but a catastrophically backtracking pattern took
+# 19.6 s on one 31-character module name.
 PATTERN_BUDGET_S = 5.0
 
 
@@ -213,10 +211,9 @@ class PatternClock:
     """Matches an adapter's module-name patterns within PATTERN_BUDGET_S of matching in all,
     with the `regex` package, as vLLM matches them. Its `timeout` stops a runaway match, and
     `concurrent` lets go of the GIL meanwhile: registration validates in a worker thread, but
-    `re` holds the GIL for the whole match, which froze every other request (measured: a
-    thread sleeping in 10 ms steps did not run once during a 2 s `re`-style match, and ran
-    throughout with `concurrent`). Only the matching counts, and each (pattern, name) is
-    matched once: a per-expert MoE adapter holds tens of thousands of tensors, two per module."""
+    `re` holds the GIL for the whole match, which froze every other request. Only the matching
+    counts, and each (pattern, name) is matched once: a per-expert MoE adapter holds tens of
+    thousands of tensors, two per module."""
 
     def __init__(self, budget_s: float = PATTERN_BUDGET_S) -> None:
         self.budget_s = budget_s
@@ -276,10 +273,8 @@ def _suffix_patterns(
     """Each key as a '.'-bounded suffix pattern, and all of them at once, built once per
     adapter's keys (rank_for runs per tensor). The all-at-once pattern goes first: most modules
     of a large adapter match no key, and a match with a timeout costs ~4 us whatever the
-    pattern. A per-expert MoE adapter of 18,624 modules with 48 keys validated in 12.6 s
-    matching them one by one and 1.8 s with it, both on this 2-core machine beside a CI run;
-    0.45 s idle with the patterns built once (4 keys: 0.28 s). Exact, unless a key refers to a
-    group, which the alternation renumbers: then None."""
+    pattern (18,624 modules with 48 keys: 1.8 s against 12.6 s key by key). Exact, unless a key
+    refers to a group, which the alternation renumbers: then None."""
     suffixes = tuple(regex.compile(rf"(.*\.)?({key})") for key in keys)
     if not keys or _BACKREFERENCE.search("".join(keys)):
         return None, suffixes

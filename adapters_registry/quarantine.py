@@ -2,7 +2,7 @@
 quarantined whose catalog write has not landed yet (the store failing, say).
 
 A version is quarantined when the engine guard saw it produce non-finite values, or an admin
-says so. The catalog's `quarantine` event carries it to every replica; until that event is
+says so. The catalog's `Quarantined` event carries it to every replica; until that event is
 written, the quarantine still holds here (`unrecorded`), and the registry retries the write at
 each poll. Holds state only, on the event loop; the registry does the writes and the engine moves.
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from loraplex.adapters_registry.base import AdapterQuarantined
-from loraplex.adapters_registry.catalog import Catalog, Quarantine, VersionHealth, VersionRecord
+from loraplex.adapters_registry.catalog import Catalog, Quarantine, VersionHealth
+from loraplex.adapters_registry.events import Quarantined
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.records import VersionRecord
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Quarantines:
     def unrecorded(self) -> list[tuple[str, str]]:
         return list(self._unrecorded)
 
-    def event(self, name: str, version: str) -> dict[str, Any] | None:
+    def event(self, name: str, version: str) -> Quarantined | None:
         """The catalog event recording this replica's quarantine of (name, version), or None
         when the catalog needs none (recorded already, or the version is gone)."""
         quarantine = self._unrecorded.get((name, version))
@@ -87,9 +88,7 @@ class Quarantines:
             return None
         if self._catalog.health(name, version) is VersionHealth.QUARANTINED:
             return None
-        return Catalog.event(
-            "quarantine", name, version=version, reason=quarantine.reason, at=quarantine.at
-        )
+        return Quarantined(name=name, version=version, reason=quarantine.reason, at=quarantine.at)
 
     def forget(self, name: str, version: str) -> None:
         """Drop this replica's own record (the catalog has it, or an admin cleared it)."""

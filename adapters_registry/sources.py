@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
-from loraplex.adapters_registry.catalog import FileEntry, blob_key
+from loraplex.adapters_registry.catalog import blob_key
 from loraplex.adapters_registry.hub import (
     HUB_SCHEME,
     HubError,
@@ -26,6 +26,7 @@ from loraplex.adapters_registry.hub import (
 )
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.peft_config import CONFIG_FILE, MAX_CONFIG_BYTES
+from loraplex.adapters_registry.records import FileEntry
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.store import (
     ObjectMissing,

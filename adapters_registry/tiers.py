@@ -3,12 +3,12 @@
 The registry, not vLLM's LRU, decides what the engine holds: at most `max_cpu` adapters are added
 at once (vLLM's `max_cpu_loras`), so vLLM never evicts on its own and this view always matches
 `list_loras()`. To make room the least recently used adapter with no request in flight and no pin
-is removed; when every slot is busy, a load waits for a request to finish. Pins stay below
-`max_loras` (vLLM needs a free GPU slot for unpinned adapters): pins and unpins take turns, so two
-at once cannot both pass the limit check. An adapter leaves the engine only with no request in
-flight on it: vLLM would load a removed adapter back by itself for a running request, behind
-this view's back; an unpin waits for such a moment without holding any request up, and so does a
-retirement (a quarantined adapter: no new lease from the moment it is retired).
+is removed; when every slot is busy, a load waits for a request to finish. Pins stay within the
+`PinLimit`: pins and unpins take turns, so two at once cannot both pass its check. An adapter
+leaves the engine only with no request in flight on it: vLLM would load a removed adapter back by
+itself for a running request, behind this view's back; an unpin waits for such a moment without
+holding any request up, and so does a retirement (a quarantined adapter: no new lease from the
+moment it is retired).
 
 All methods run on the event loop; `add_lora` awaits the engine.
 """
@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
-from loraplex.adapters_registry.base import AdapterConflict, ServableAdapter
+from loraplex.adapters_registry.base import ServableAdapter
 from loraplex.adapters_registry.engine import EngineLoraControl
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.pins import PinLimit
 
 
 class EngineTier(Enum):
@@ -44,21 +45,17 @@ class _Slot:
 
 class EngineTiers:
     def __init__(
-        self, engine: EngineLoraControl, *, max_cpu: int, max_pinned: int, metrics: RegistryMetrics
+        self, engine: EngineLoraControl, *, max_cpu: int, pins: PinLimit, metrics: RegistryMetrics
     ) -> None:
         self._engine = engine
         self._max_cpu = max_cpu
-        self._max_pinned = max_pinned
+        self._pins = pins
         self._metrics = metrics
         self._slots: dict[int, _Slot] = {}
         self._changed = asyncio.Condition()
         self._pinning = asyncio.Lock()
 
     # ---- views ----
-
-    @property
-    def max_pinned(self) -> int:
-        return self._max_pinned
 
     def tier(self, engine_id: int) -> EngineTier | None:
         slot = self._slots.get(engine_id)
@@ -76,7 +73,11 @@ class EngineTiers:
         return {i for i, s in self._slots.items() if s.tier is not EngineTier.LOADING}
 
     def pinned_ids(self) -> set[int]:
-        return {i for i, s in self._slots.items() if s.tier is EngineTier.GPU}
+        return set(self.pinned_names())
+
+    def pinned_names(self) -> dict[int, str]:
+        """Engine id -> adapter name of each pinned adapter."""
+        return {i: s.adapter.name for i, s in self._slots.items() if s.tier is EngineTier.GPU}
 
     def _publish(self) -> None:
         for tier in (EngineTier.CPU, EngineTier.GPU):
@@ -165,13 +166,7 @@ class EngineTiers:
             slot = self._slots[engine_id]
             if slot.tier is EngineTier.GPU:
                 return
-            if len(self.pinned_ids()) >= self._max_pinned:
-                raise AdapterConflict(
-                    f"cannot pin `{slot.adapter.name}`: {self._max_pinned} adapters are pinned "
-                    f"already, the most engine.max_loras ({self._max_pinned + 1}) allows "
-                    "(one GPU slot stays free)",
-                    param="pinned",
-                )
+            self._pins.check(slot.adapter.name, self.pinned_names().values(), "on this replica")
             await self._engine.pin_lora(engine_id)
             slot.tier = EngineTier.GPU
             self._metrics.loads.labels("gpu").inc()

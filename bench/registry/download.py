@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import append_rows, stamp
-from loraplex.adapters_registry.catalog import FileEntry
 from loraplex.adapters_registry.disk_cache import DiskCache
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.records import FileEntry
 from loraplex.adapters_registry.s3_store import S3Store
 from loraplex.adapters_registry.settings import RegistrySettings
 

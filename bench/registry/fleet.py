@@ -10,7 +10,7 @@ counts every request by client (`bench.registry.counting_s3`):
 1. Seed: N adapters through the catalog's own write path. Each adapter's two files (the same
    config, its own random rank-8 weights) go to their content addresses, its `register` event
    (the record `register()` builds) is appended with `Catalog.write_event`, and a snapshot is
-   written every `SNAPSHOT_EVERY` events, as `AdapterRegistry._append` does; 16 writes at a time.
+   written every `SNAPSHOT_EVERY` events, as `CatalogSync.append` does; 16 writes at a time.
    Not through `register()` itself: that fetches, validates and hashes a folder per adapter
    (the probes below take ~0.1 s each here), and followers never read the weights. T tenants,
    each with a key (`fleet_tenants.seed_tenants`).
@@ -76,15 +76,10 @@ from bench.registry.fleet_replica import WATCH_S, probe_name
 from bench.registry.fleet_tenants import seed_tenants
 from bench.registry.stubs import TINY_MODEL_NAME, StubEngine, write_tiny_adapter, write_tiny_model
 from loraplex.adapters_registry.admin import ManagedRegistry
-from loraplex.adapters_registry.catalog import (
-    SNAPSHOT_EVERY,
-    SNAPSHOT_PREFIX,
-    Catalog,
-    FileEntry,
-    VersionRecord,
-    blob_key,
-)
+from loraplex.adapters_registry.catalog import SNAPSHOT_EVERY, SNAPSHOT_PREFIX, Catalog, blob_key
+from loraplex.adapters_registry.events import Registered
 from loraplex.adapters_registry.lifecycle import build_registry
+from loraplex.adapters_registry.records import FileEntry, VersionRecord
 from loraplex.adapters_registry.s3_store import S3Store
 from loraplex.adapters_registry.settings import RegistrySettings
 
@@ -206,7 +201,7 @@ def seed_catalog(store: S3Store, adapters: int) -> int:
     rng = np.random.default_rng(0)
     module = "base_model.model.model.layers.0.self_attn.q_proj"
     blobs: dict[str, bytes] = {config_sha: config}
-    events: list[tuple[int, dict[str, Any]]] = []
+    events: list[tuple[int, Registered]] = []
     snapshots: list[dict[str, Any]] = []
     for seq in range(1, adapters + 1):
         name = f"team{seq % 100:02d}/adapter-{seq:05d}"
@@ -222,13 +217,13 @@ def seed_catalog(store: S3Store, adapters: int) -> int:
             name, hashlib.sha256(config + weights).hexdigest(), catalog.next_engine_id(), 8,
             files, TINY_MODEL_NAME, f"s3://uploads/{name}/", time.time(),
         )  # fmt: skip
-        event = Catalog.register_event(record, pinned=False)
+        event = Registered(name=name, record=record, pinned=False)
         catalog.apply(seq, event)
         events.append((seq, event))
         if seq % SNAPSHOT_EVERY == 0:
             snapshots.append(catalog.snapshot())
 
-    def write_event(item: tuple[int, dict[str, Any]]) -> None:
+    def write_event(item: tuple[int, Registered]) -> None:
         if not catalog.write_event(*item):
             raise RuntimeError(f"seeding found event {item[0]} taken")
 

@@ -30,8 +30,9 @@ from rich.table import Table
 
 from bench.common import append_rows, stamp
 from bench.registry.stubs import StubEngine, write_tiny_model
-from loraplex.adapters_registry.catalog import Catalog, FileEntry, VersionRecord
+from loraplex.adapters_registry.events import Registered
 from loraplex.adapters_registry.lifecycle import build_registry
+from loraplex.adapters_registry.records import FileEntry, VersionRecord
 from loraplex.adapters_registry.settings import RegistrySettings
 
 
@@ -56,11 +57,11 @@ async def run(adapters: int, requests: int) -> dict[str, dict[str, float]]:
     for i, name in enumerate(names, start=1):
         version = f"{i:064x}"
         record = VersionRecord(name, version, i, 16, files, "tiny", "s3://b/p", 0.0)
-        registry.catalog.apply(i, Catalog.register_event(record, pinned=False))
+        registry.catalog.apply(i, Registered(name=name, record=record, pinned=False))
     warm = random.sample(names, 4)
     for name in warm:
         record = registry.resolve(name)
-        await registry.tiers.load(registry._servable(record), record.size_bytes)
+        await registry.tiers.load(registry.residency.servable(record), record.size_bytes)
 
     rng = random.Random(0)
     resolve_s, lease_s = [], []

@@ -21,7 +21,7 @@ from registry_rig import Rig
 from bench.loadgen.server import REPO
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.catalog import BLOB_PREFIX
-from loraplex.adapters_registry.cleanup import sweep_leftovers
+from loraplex.adapters_registry.cleanup import Swept, sweep_leftovers
 from loraplex.adapters_registry.lifecycle import build_registry
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.settings import RegistrySettings
@@ -38,6 +38,11 @@ async def local_registry(
         model_dir=dense_model, base_model_name="tiny", max_lora_rank=16, max_loras=2,
         max_cpu_loras=3, cache_root=tmp_path / cache, metrics_registry=CollectorRegistry(),
     )  # fmt: skip
+
+
+async def sweep(reg: ManagedRegistry) -> Swept:
+    """The start-up sweep over `reg`'s catalog and disk cache, with its settings' grace."""
+    return await sweep_leftovers(reg.sync, reg.cache, reg.settings.orphan_grace_s)
 
 
 def leftovers(store_root: Path) -> tuple[Path, Path]:
@@ -67,7 +72,7 @@ async def test_a_store_no_other_process_uses_is_swept_at_once(
     (orphan_version / "files.json").write_text("[]")  # a complete, empty, unknown version
     reg.cache.close()
     reg = await local_registry(tmp_path, dense_model)  # the restart, alone on its store
-    swept = await sweep_leftovers(reg)
+    swept = await sweep(reg)
     assert not orphan.exists() and not partial.exists()
     assert sorted(swept.store) == sorted([f"{BLOB_PREFIX}{'e' * 64}", f"{BLOB_PREFIX}.tmp-k1ll3d"])
     assert set(reg.store.list_keys(BLOB_PREFIX)) == kept  # the version's blobs stay
@@ -90,7 +95,7 @@ async def test_a_shared_store_keeps_what_another_replica_may_be_writing(
     old_partial.write_bytes(b"an hour old")
     for path in (old_orphan, old_partial):
         age(path, HOUR + 60)
-    swept = await sweep_leftovers(reg)
+    swept = await sweep(reg)
     assert young_orphan.exists() and young_partial.exists()  # maybe mid-registration
     assert not old_orphan.exists() and not old_partial.exists()
     assert len(swept.store) == 2
@@ -116,11 +121,11 @@ async def test_s3_orphans_go_only_past_the_grace_and_stale_multipart_uploads_are
     info = await reg.register("bot", rig.source("bot"))
     key = f"registry/{BLOB_PREFIX}{'e' * 64}"
     rig.s3.put_object(Bucket=rig.bucket, Key=key, Body=b"orphan")
-    assert (await sweep_leftovers(reg)).store == []  # younger than the hour's grace
+    assert (await sweep(reg)).store == []  # younger than the hour's grace
     # moto reports every multipart upload as begun in 2010: only its abort is tested here.
     upload = rig.s3.create_multipart_upload(Bucket=rig.bucket, Key=f"registry/{BLOB_PREFIX}x")
     reg.settings = reg.settings.model_copy(update={"orphan_grace_s": 0.0})
-    swept = await sweep_leftovers(reg)
+    swept = await sweep(reg)
     assert sorted(swept.store) == [f"{BLOB_PREFIX}{'e' * 64}", f"{BLOB_PREFIX}x"]
     uploads = rig.s3.list_multipart_uploads(Bucket=rig.bucket).get("Uploads", [])
     assert upload["UploadId"] not in {u["UploadId"] for u in uploads}
@@ -181,7 +186,7 @@ async def test_a_registration_killed_mid_upload_leaves_nothing_after_the_next_st
     assert len(left) == 2 and left[0].startswith(".tmp-")  # as the issue found them
     assert list((tmp_path / "cache" / "disk" / "tmp").iterdir())  # the registration's copy
     reg = await local_registry(tmp_path, dense_model)  # the next start
-    await sweep_leftovers(reg)
+    await sweep(reg)
     assert list(blobs.iterdir()) == [] and reg.names() == []
     assert list((tmp_path / "cache" / "disk" / "tmp").iterdir()) == []
     assert reg.cache.cached() == set()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from loraplex.adapters_registry.catalog import FileEntry
 from loraplex.adapters_registry.disk_cache import CacheError, DiskCache
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.records import FileEntry
 
 
 def blob(data: bytes) -> tuple[FileEntry, bytes]:

@@ -179,9 +179,9 @@ async def test_a_quarantine_the_store_cannot_record_holds_here_and_lands_at_the_
 async def test_quarantine_survives_a_restart_through_the_snapshot(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loraplex.adapters_registry import registry as registry_module
+    from loraplex.adapters_registry import catalog_sync
 
-    monkeypatch.setattr(registry_module, "SNAPSHOT_EVERY", 2)  # the quarantine is in a snapshot
+    monkeypatch.setattr(catalog_sync, "SNAPSHOT_EVERY", 2)  # the quarantine is in a snapshot
     reg = await rig.registry("a")
     info = await reg.register("bot", rig.source("bot"))
     await reg.quarantine("bot", info.version, "bad")

@@ -380,7 +380,7 @@ async def test_the_disk_cache_keeps_a_version_from_its_fetch_to_its_load(rig: Ri
     for version in (x.version, y.version):
         reg.cache.evict(version)
     reg.cache.capacity_bytes = int(x.size_bytes * 1.5)  # room for one adapter
-    fetch_x = reg._on_disk
+    fetch_x = reg.residency._on_disk
 
     async def fetch_then_another_download(record: Any) -> bool:
         fetched = await fetch_x(record)
@@ -389,6 +389,6 @@ async def test_the_disk_cache_keeps_a_version_from_its_fetch_to_its_load(rig: Ri
             await asyncio.to_thread(reg.cache.fetch, y.version, y.files, get)
         return fetched
 
-    reg._on_disk = fetch_then_another_download  # type: ignore[method-assign]
+    reg.residency._on_disk = fetch_then_another_download  # type: ignore[method-assign]
     async with reg.lease("x") as adapter:
         assert adapter.path.exists()

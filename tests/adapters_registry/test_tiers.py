@@ -12,6 +12,7 @@ from registry_fake_engine import FakeEngine
 
 from loraplex.adapters_registry.base import AdapterConflict, ServableAdapter
 from loraplex.adapters_registry.metrics import RegistryMetrics
+from loraplex.adapters_registry.pins import PinLimit
 from loraplex.adapters_registry.single_flight import SingleFlight
 from loraplex.adapters_registry.tiers import EngineTier, EngineTiers
 
@@ -25,7 +26,7 @@ def adapters(tmp_path: Path, n: int) -> list[ServableAdapter]:
 
 def make(engine: FakeEngine, max_cpu: int = 2, max_pinned: int = 1) -> EngineTiers:
     metrics = RegistryMetrics(CollectorRegistry())
-    return EngineTiers(engine, max_cpu=max_cpu, max_pinned=max_pinned, metrics=metrics)
+    return EngineTiers(engine, max_cpu=max_cpu, pins=PinLimit(max_pinned), metrics=metrics)
 
 
 async def test_single_flight_runs_once_and_survives_a_cancelled_caller() -> None:
