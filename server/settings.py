@@ -120,15 +120,11 @@ class EngineSettings(BaseModel):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (debugging only).")
     specialize_active_lora: bool = Field(
         False,
-        description="GPU: vLLM captures a CUDA graph per count of active adapters (powers of 2 up "
-        "to max_loras), and the MoE-LoRA kernels then pick their routing form by the batch's "
-        "adapters: with one adapter on every token, a Qwen3-30B-A3B layer's LoRA at 128 tokens "
-        "took 58 us sorted against 100 in the form 8 adapters favour "
-        "(kernels/dispatch.py); end to end (8-layer Qwen3-30B-A3B shape, 128 requests "
-        "all on one adapter, H200) 27.3k against 21.0k output tok/s, round robin over 8 "
-        "adapters within noise (bench/e2e/results/e2e_adapter_count_nvidia_h200.jsonl). Costs "
-        "start-up time and graph memory (there: capture 20 against 13 s, 0.81 against 0.37 GiB). "
-        "Needs moe_lora_kernels: the plugin's batch metadata is what makes it safe.",
+        description="GPU: vLLM captures a CUDA graph per count of active adapters, and the "
+        "MoE-LoRA kernels pick their routing form by the batch's adapters (one adapter on every "
+        "token: 27.3k against 21.0k output tok/s; docs/kernels.md, dispatch). Costs start-up "
+        "time and graph memory. Needs moe_lora_kernels: the plugin's batch metadata is what "
+        "makes it safe.",
     )
     load_format: Literal["auto", "dummy"] = Field(
         "auto",
