@@ -89,7 +89,7 @@ def padded_slices(
 
 # Launch shape. Both rules come from bench/kernels/bench_dense_decode.py on the H200 (Qwen3-30B-A3B
 # attention, 8 rank-32 slots, each call after its base GEMM, over cold weights; rows in
-# bench/kernels/results/dense_decode_nvidia_h200.json). What the LoRA added to the GEMM at 16
+# bench/kernels/results/dense_decode_nvidia_h200.jsonl). What the LoRA added to the GEMM at 16
 # tokens: o with 32 K ranges of 128 took 6.6 us, with 16 ranges of 256 4.6 us; qkv with
 # 64-column expand tiles 7.7 us, 256 columns 6.0 us (64 tokens: 14.8 and 9.6 us). The e2e
 # decode went from 67.14 to 68.1 tok/s per request (base 75.71).
