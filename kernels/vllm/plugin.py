@@ -15,6 +15,9 @@ and logs one line saying what it did:
   docstring lists every vLLM attribute replaced;
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
 
+Whatever the switch, vLLM version and platform, it first installs the isolation patches
+(`lora_slot_hygiene`, `kv_cache_hygiene`: docs/isolation.md), which replace no kernel.
+
 The switch: `register(enabled=...)` from loraplex's engine wrapper, or in processes vLLM spawns
 (where loraplex's settings object is not passed) the environment variable
 `LORAPLEX_ENGINE__MOE_LORA_KERNELS` (settings field `engine.moe_lora_kernels`), which the
@@ -139,12 +142,26 @@ def _patch() -> PluginState:
     return PluginState.PATCHED
 
 
+def _install_isolation() -> None:
+    """The isolation patches, each on its own: a failure is logged and leaves the others."""
+    from loraplex.kernels.vllm import kv_cache_hygiene, lora_slot_hygiene
+
+    for patch in (lora_slot_hygiene, kv_cache_hygiene):
+        try:
+            patch.install()
+        except Exception:
+            log.exception("loraplex isolation patch %s failed; vLLM's code stays", patch.__name__)
+            continue
+        log.info("loraplex isolation patch %s installed (pid %d)", patch.__name__, os.getpid())
+
+
 def register(enabled: bool | None = None) -> PluginState:
     """Put our MoE-LoRA op in place of vLLM's in this process (see the module docstring).
 
     enabled: the settings switch; None reads LORAPLEX_ENGINE__MOE_LORA_KERNELS (unset = on).
     Safe to call any number of times; never raises.
     """
+    _install_isolation()
     if not (_switch_from_env() if enabled is None else enabled):
         log.info("loraplex MoE-LoRA kernels: switched off (%s); vLLM's own kernels serve",
                  ENV_SWITCH)  # fmt: skip
