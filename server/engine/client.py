@@ -7,6 +7,8 @@ Contract:
 - Engine ids are owned here: an id once bound to an adapter version is never bound to another
   (vLLM silently keeps serving the old weights if an id is reused for a different path).
 - Engine death is sticky: `healthy` turns False and every later call raises `EngineUnavailable`.
+- An output whose logits were not finite is never yielded: `generate` raises `OutputNotFinite`
+  (`AdapterOutputNotFinite` for an adapter's request) and aborts the request (finite_guard.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.adapters_registry.base import ServableAdapter
 from loraplex.server.engine.builder import engine_args, export_engine_environment, vllm_namespace
+from loraplex.server.engine.finite_guard import FiniteGuard
 from loraplex.server.errors import EngineUnavailable, InvalidRequest
 from loraplex.server.settings import EngineSettings
 
@@ -110,12 +113,13 @@ class EngineClient:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         lora = self.lora_request(adapter) if adapter else None
+        guard = FiniteGuard(sampling_params, adapter)
         prompt: TokensPrompt = {"prompt_token_ids": prompt_token_ids}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
         stream = self._engine.generate(
             prompt,
-            sampling_params,
+            guard.params,
             request_id,
             lora_request=lora,
             priority=priority,
@@ -123,6 +127,7 @@ class EngineClient:
         finished = False
         try:
             async for output in stream:
+                guard.check(output)  # a non-finite row fails this request (aborted below)
                 finished = output.finished
                 yield output
         except Exception as e:
