@@ -17,6 +17,9 @@ The engine request is aborted if the client goes away. Streaming: `_ClosingStrea
 body iterator whatever ends the response (Starlette cancels it on disconnect but never closes a
 generator parked at a `yield`), so engine request, lease and queue slot are released in order.
 Whole responses: a watcher cancels the collection when the client disconnects.
+
+A request whose logits stop being finite fails alone (the engine guard, engine/finite_guard.py),
+and an adapter that made them so is quarantined before its client hears of it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from loraplex.adapters_registry.base import (
 )
 from loraplex.server.access_log import record_of
 from loraplex.server.engine.client import EngineClient, as_invalid_request
+from loraplex.server.engine.finite_guard import AdapterOutputNotFinite, OutputNotFinite
 from loraplex.server.engine.sampling import to_sampling_params
 from loraplex.server.errors import ApiError, ModelNotFound, as_api_error, error_body
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
@@ -151,8 +155,15 @@ async def _deltas(
             gw.engine, prep.prompt_ids, prep.params, adapter, prep.meta.id
         )
         async with aclosing(stream), aclosing(_choice_deltas(gw, body, stream, choices)) as it:
-            async for delta in it:
-                yield delta
+            try:
+                async for delta in it:
+                    yield delta
+            except OutputNotFinite as e:  # the engine guard failed it (engine/finite_guard.py)
+                reason = f"{e.reason} in request {prep.meta.id}"
+                log.error("%s: %s", body.model, reason)
+                if isinstance(e, AdapterOutputNotFinite):  # its values are the fault
+                    await gw.adapters.quarantine(e.adapter.name, e.adapter.version, reason)
+                raise
 
 
 async def _lease(stack: AsyncExitStack, gw: Gateway, model: str) -> ServableAdapter:

@@ -47,6 +47,7 @@ class LiveServer:
     base_url: str
     log_path: Path
     process: subprocess.Popen[bytes]
+    cache_dir: Path  # the server's own (`own_cache_dir`) unless its config named one
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -127,7 +128,8 @@ def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
             stderr=subprocess.STDOUT,
             env=env,
         )
-        server = LiveServer(f"http://127.0.0.1:{port}", log_path, process)
+        server = LiveServer(f"http://127.0.0.1:{port}", log_path, process,
+                            Path(config["cache_dir"]))  # fmt: skip
         try:
             _wait_ready(server)
             yield server

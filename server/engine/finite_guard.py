@@ -64,6 +64,7 @@ class AdapterOutputNotFinite(OutputNotFinite):
     def __init__(self, choice: int, token: int, adapter: ServableAdapter) -> None:
         super().__init__(choice, token, adapter)
         self.adapter: ServableAdapter = adapter
+        self.param = "model"
 
     def _message(self) -> str:
         assert self.adapter is not None
