@@ -1,0 +1,52 @@
+"""A vLLM worker extension for tests: what the LoRA slots of a running engine hold.
+
+Named in `worker_extension_cls` ("tests.support.lora_slots.SlotProbe"), vLLM mixes it into its
+worker class; the test calls its methods through `AsyncLLM.collective_rpc`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def stacked_tensors(layer: Any) -> Iterator[torch.Tensor]:
+    """Every per-slot weight buffer of a vLLM LoRA layer: its `*_stacked` attributes (a tensor,
+    or a tuple or list of them), each indexed by slot first."""
+    for name, value in vars(layer).items():
+        if not name.endswith("_stacked"):
+            continue
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                yield tensor
+
+
+class SlotProbe:
+    """Mixed into vLLM's worker, so `self` is the worker."""
+
+    model_runner: Any
+
+    def lora_slots(self) -> list[dict[str, Any]]:
+        """Per slot of the worker's LoRAModelManager: the adapter id in it (None: free), and how
+        many of its values, over every LoRA layer, are not zero and not finite."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        slots = []
+        for index, lora_id in enumerate(manager.lora_index_to_id):
+            nonzero = non_finite = 0
+            for layer in manager.modules.values():
+                for tensor in stacked_tensors(layer):
+                    values = tensor[index]
+                    nonzero += int(values.count_nonzero())
+                    non_finite += int((~values.isfinite()).sum())
+            slots.append({"id": lora_id, "nonzero": nonzero, "non_finite": non_finite})
+        return slots
+
+    def slot_zeroing_installed(self) -> bool:
+        """Whether this process's LoRAModelManager carries lora_slot_hygiene's patch."""
+        from vllm.lora.model_manager import LoRAModelManager
+
+        from loraplex.kernels.vllm.lora_slot_hygiene import PATCHED
+
+        return bool(getattr(LoRAModelManager._deactivate_adapter, PATCHED, False))
