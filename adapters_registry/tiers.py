@@ -79,6 +79,14 @@ class EngineTiers:
         """Engine id -> adapter name of each pinned adapter."""
         return {i: s.adapter.name for i, s in self._slots.items() if s.tier is EngineTier.GPU}
 
+    def residents(self) -> list[tuple[ServableAdapter, bool]]:
+        """(adapter, pinned) for each adapter in the engine, those still being added left out."""
+        return [
+            (s.adapter, s.tier is EngineTier.GPU)
+            for s in self._slots.values()
+            if s.tier is not EngineTier.LOADING
+        ]
+
     def _publish(self) -> None:
         for tier in (EngineTier.CPU, EngineTier.GPU):
             slots = [s for s in self._slots.values() if s.tier is tier]

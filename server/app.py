@@ -19,14 +19,16 @@ from loraplex.server.body_limit import BodyLimitMiddleware
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway
-from loraplex.server.metrics import (
-    METRICS_CONTENT_TYPE,
-    GatewayMetrics,
-    WithoutVersions,
-    exposition,
+from loraplex.server.lora_activity import LoraActivity
+from loraplex.server.metrics import METRICS_CONTENT_TYPE, GatewayMetrics, exposition
+from loraplex.server.metrics_access import (
+    METRICS_PATH,
+    PICKER_METRICS_PATH,
+    MetricsAccess,
+    MetricsListenerOnly,
 )
-from loraplex.server.metrics_access import METRICS_PATH, MetricsAccess, MetricsListenerOnly
 from loraplex.server.model_choice import choose_served_model
+from loraplex.server.picker_metrics import EngineMetrics, PickerMetrics, picker_exposition
 from loraplex.server.request_body import BodyParser
 from loraplex.server.routes import admin_adapters, admin_tenants, health, openai
 from loraplex.server.settings import Settings
@@ -115,6 +117,7 @@ def create_app(settings: Settings) -> FastAPI:
                     base_model=served.name,
                     tenancy=tenancy,
                     prompt_threads=prompt_threads,
+                    activity=activity,
                 )
                 _freeze_startup_heap()
                 yield
@@ -134,6 +137,13 @@ def create_app(settings: Settings) -> FastAPI:
     metrics = GatewayMetrics(CollectorRegistry(), settings.tenancy.adapter_label_top_k)
     metrics.watch_queues(lambda: app.state.tenancy.queue_snapshot() if app.state.tenancy else {})
     metrics.watch_engine(lambda: app.state.gateway is not None and app.state.gateway.engine.healthy)
+    activity = LoraActivity()
+    picker = PickerMetrics(
+        settings.engine.max_loras,
+        activity,
+        lambda: app.state.adapter_registry.tiers.residents() if app.state.adapter_registry else (),
+    )
+    metrics.registry.register(picker)
     install_json_handler()
     # The last added runs first: access logging wraps the body cap, so a 413 is logged and counted.
     app.add_middleware(
@@ -150,16 +160,22 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(admin_tenants.router)
 
     # vLLM (and the adapter registry) register in prometheus_client's default registry; the
-    # gateway's metrics live in this app's own registry. Both are served here, to those
-    # metrics_access lets in.
+    # gateway's metrics, and the endpoint picker's under vLLM's names, live in this app's own
+    # registry. Both are served here, to those metrics_access lets in.
     access = MetricsAccess(settings.http)
     if access.warning:
         log.warning(access.warning)
-    vllm_metrics = WithoutVersions(REGISTRY)
+    vllm_metrics = EngineMetrics(REGISTRY, activity)
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def prometheus_metrics(request: Request) -> Response:
         access.check(request.scope, request.headers.get("authorization"))
         return Response(exposition(vllm_metrics, metrics.registry), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get(PICKER_METRICS_PATH, include_in_schema=False)
+    async def picker_metrics(request: Request) -> Response:
+        access.check(request.scope, request.headers.get("authorization"))
+        body = picker_exposition(REGISTRY, picker, activity)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     return app

@@ -49,6 +49,7 @@ from loraplex.server.engine.client import EngineClient, as_invalid_request
 from loraplex.server.engine.finite_guard import AdapterOutputNotFinite, OutputNotFinite
 from loraplex.server.engine.sampling import to_sampling_params
 from loraplex.server.errors import ApiError, ModelNotFound, as_api_error, error_body
+from loraplex.server.lora_activity import LoraActivity, Phase, RequestActivity
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.responses import (
@@ -84,6 +85,8 @@ class Gateway:
     # Templating and tokenizing (prompts.py says why off the event loop); the lifespan passes
     # one sized by http.prompt_threads and shuts it down.
     prompt_threads: Executor = field(default_factory=lambda: ThreadPoolExecutor(1))
+    # Where each admitted request stands, for the endpoint picker's gauges (picker_metrics.py).
+    activity: LoraActivity = field(default_factory=LoraActivity)
     created: int = field(default_factory=lambda: int(time.time()))  # for /v1/models
 
 
@@ -93,6 +96,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     admitted: Admitted = field(init=False)  # set by `complete` once tenancy admits the request
+    activity: RequestActivity = field(init=False)  # set with `admitted`
 
 
 def _prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
@@ -151,12 +155,14 @@ async def _deltas(
         adapter = None
         if body.model != gw.base_model:
             adapter = await _lease(stack, gw, body.model)
+        prep.activity.enter(Phase.ENGINE)
         stream = prep.admitted.generate(
             gw.engine, prep.prompt_ids, prep.params, adapter, prep.meta.id
         )
         async with aclosing(stream), aclosing(_choice_deltas(gw, body, stream, choices)) as it:
             try:
                 async for delta in it:
+                    prep.activity.enter(Phase.RUNNING)
                     yield delta
             except OutputNotFinite as e:  # the engine guard failed it (engine/finite_guard.py)
                 reason = f"{e.reason} in request {prep.meta.id}"
@@ -327,6 +333,9 @@ async def complete(
             n=prep.params.n,
         )
         stack.push_async_callback(prep.admitted.close)
+        prep.activity = stack.enter_context(
+            gw.activity.track(body.model if is_adapter else None, prep.params.n)
+        )
         if is_adapter:
             with _as_client_errors(body.model):
                 await gw.adapters.prefetch(body.model)

@@ -8,12 +8,12 @@ stable for the life of the process and the series count is bounded by tenants x 
 adapter can be registered under the three special values (`names.RESERVED_NAMES`). With
 K = 0 the adapter label is left out entirely. vLLM's engine metrics (`vllm:` prefix) live in the
 default registry and are exposed on the same endpoint by the app; this module defines loraplex's
-own, and the view of vLLM's that the endpoint serves (`WithoutVersions`).
+own, and `picker_metrics` what an endpoint picker reads under vLLM's names.
 
 Adapter names in metrics never carry a version: a request that names `name@version` is counted
-under `name`, and vLLM's `vllm:lora_requests_info`, whose label values list the engine's LoRA
-names (`name@<sha256>`, server/engine/client.py), is served with the names alone. Versions are
-for the admin API; who may read /metrics at all is `metrics_access`'s question.
+under `name`, and the engine's LoRA names (`name@<sha256>`, server/engine/client.py) never reach
+/metrics (`picker_metrics` serves the LoRA gauges in vLLM's stead). Versions are for the admin
+API; who may read /metrics at all is `metrics_access`'s question.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    Metric,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
@@ -55,12 +54,6 @@ OTPS_BUCKETS = (
     *(0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12.5, 15, 20, 25, 30, 40, 50, 60, 80, 100),
     *(125, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1250, 1500, 2000, 3000),
 )
-
-
-# vLLM's gauge of the adapters its scheduler runs and queues: one series per combination seen,
-# each label value the engine's LoRA names joined by commas (what gateway endpoint pickers read).
-LORA_INFO = "vllm:lora_requests_info"
-LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters")
 
 
 def adapter_name(reference: str) -> str:
@@ -241,40 +234,6 @@ class GatewayMetrics:
         itl = self.itl.labels(*labels)
         for gap in record.inter_token_latencies():
             itl.observe(gap)
-
-
-def _names_only(adapters: str) -> str:
-    """`a@v1,b@v2,a@v3` -> `a,b`: the adapters, in order, each once."""
-    return ",".join(dict.fromkeys(adapter_name(a) for a in adapters.split(",") if a))
-
-
-def _lora_info_without_versions(family: Metric) -> Metric:
-    """The family with version-free label values. Two series that differed only by versions
-    become one, with the later of their values (each is the time its combination was last
-    seen): a scrape must not hold one series twice."""
-    latest: dict[tuple[tuple[str, str], ...], float] = {}
-    for sample in family.samples:
-        labels = {
-            k: _names_only(v) if k in LORA_INFO_LABELS else v for k, v in sample.labels.items()
-        }
-        key = tuple(sorted(labels.items()))
-        latest[key] = max(latest.get(key, sample.value), sample.value)
-    redacted = Metric(family.name, family.documentation, family.type)
-    for key, value in latest.items():
-        redacted.add_sample(family.name, dict(key), value)
-    return redacted
-
-
-class WithoutVersions(Collector):
-    """What /metrics serves of a registry (vLLM's): its families, adapter versions left out of
-    vLLM's LoRA gauge."""
-
-    def __init__(self, registry: Collector) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            yield _lora_info_without_versions(family) if family.name == LORA_INFO else family
 
 
 def exposition(*registries: Collector) -> bytes:

@@ -8,6 +8,9 @@ to read it, independent of each other:
 - `http.metrics_port`: a second listener on `http.metrics_host` serves /metrics (and nothing
   else) to whoever can reach that address, with no token: for scrapers that cannot send one.
 
+/metrics/picker, the endpoint picker's share of /metrics (server/picker_metrics.py), follows the
+same rules.
+
 Without a token the API's listener serves /metrics only while it binds a loopback address (the
 default 127.0.0.1: nobody off the host can connect) and no metrics listener is set; otherwise it
 answers 404 (the metrics live on the other listener) or 403 naming the two settings.
@@ -25,6 +28,7 @@ from loraplex.server.errors import ApiError, NotFound, Unauthenticated, error_re
 from loraplex.server.settings import HttpSettings
 
 METRICS_PATH = "/metrics"
+PICKER_METRICS_PATH = "/metrics/picker"
 
 
 class MetricsNotExposed(ApiError):
@@ -96,7 +100,8 @@ class MetricsAccess:
 
 
 class MetricsListenerOnly:
-    """On the metrics listener, anything but /metrics is a 404 (the API stays off it)."""
+    """On the metrics listener, anything but /metrics (and /metrics/picker) is a 404 (the API
+    stays off it)."""
 
     def __init__(self, app: ASGIApp, metrics_port: int | None) -> None:
         self.app = app
@@ -106,7 +111,7 @@ class MetricsListenerOnly:
         if (
             scope["type"] == "http"
             and on_listener(scope, self.metrics_port)
-            and scope["path"] != METRICS_PATH
+            and scope["path"] not in (METRICS_PATH, PICKER_METRICS_PATH)
         ):
             await error_response(NotFound("Not Found"))(scope, receive, send)
             return

@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import uuid
@@ -50,6 +51,21 @@ def as_invalid_request(error: Exception) -> InvalidRequest | None:
     return InvalidRequest(str(error), param=getattr(error, "parameter", None))
 
 
+def _retire_lora_requests_info(engine: AsyncLLM) -> None:
+    """Stop vLLM's Prometheus logger from updating its `vllm:lora_requests_info` and take the
+    gauge out of the default registry: loraplex serves its own (server/picker_metrics.py says
+    why), and vLLM's would keep a series for every combination of adapters ever seen."""
+    from prometheus_client import REGISTRY
+
+    manager = getattr(engine, "logger_manager", None)
+    for stat_logger in getattr(manager, "stat_loggers", ()):
+        gauge = getattr(stat_logger, "gauge_lora_info", None)
+        if gauge is not None:
+            stat_logger.gauge_lora_info = None  # vLLM checks for None before each update
+            with contextlib.suppress(KeyError):  # already unregistered
+                REGISTRY.unregister(gauge)
+
+
 class EngineIdConflict(RuntimeError):
     """An engine id was offered for a second, different adapter version."""
 
@@ -70,6 +86,7 @@ class EngineClient:
         export_engine_environment(settings)
         args = engine_args(settings, vllm_namespace(settings, model_dir, served_name))
         engine = AsyncLLM.from_engine_args(args)
+        _retire_lora_requests_info(engine)
         tokenizer = engine.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # vLLM < 0.30 made this a coroutine
             tokenizer = await tokenizer

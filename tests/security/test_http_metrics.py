@@ -66,9 +66,9 @@ def test_the_metrics_listener_serves_metrics_and_nothing_else(
 def test_no_adapter_version_appears_in_metrics(
     shared_server: LiveServer, bystanders: Bystanders, metrics_port: int
 ) -> None:
-    """Bob's adapter has run (the bystanders' requests): vLLM's vllm:lora_requests_info lists it
-    by name, and its version (the sha256 vLLM's LoRA name carries) is nowhere, on either
-    listener."""
+    """Bob's adapter has run (the bystanders' requests) and stays in the engine's CPU cache:
+    vllm:lora_adapter_loaded names it, and its version (the sha256 vLLM's LoRA name carries) is
+    nowhere, on either listener."""
     bystanders.assert_unchanged()  # runs bob/helper and carol/helper again
     info = admin(shared_server, "GET", f"/admin/v1/adapters/{BOB_ADAPTER}").json()
     versions = {info["version"], *info["previous_versions"]}
@@ -78,7 +78,7 @@ def test_no_adapter_version_appears_in_metrics(
         for version in versions:
             assert version not in text and version[:8] not in text
         assert not re.search(r"@[0-9a-f]{8}", text)
-        lora_info = [
-            line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")
+        loaded = [
+            line for line in text.splitlines() if line.startswith("vllm:lora_adapter_loaded{")
         ]
-        assert any(BOB_ADAPTER in line for line in lora_info), lora_info
+        assert any(f'adapter_name="{BOB_ADAPTER}"' in line for line in loaded), loaded

@@ -8,7 +8,7 @@ import logging
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -18,13 +18,10 @@ from loraplex.adapters_registry.names import RESERVED_NAMES
 from loraplex.server.access_log import AccessLogMiddleware, record_of
 from loraplex.server.metrics import (
     BASE_LABEL,
-    LORA_INFO,
     NO_MODEL_LABEL,
     OTHER_LABEL,
     AdapterLabels,
     GatewayMetrics,
-    WithoutVersions,
-    exposition,
 )
 from loraplex.server.tenancy.record import RequestRecord
 
@@ -121,34 +118,6 @@ def test_an_adapter_named_with_its_version_is_counted_under_its_name() -> None:
     version = "ab" * 32
     assert labels(f"x/1@{version}") == "x/1" and labels("x/1") == "x/1"
     assert labels(f"x/2@{version[:8]}") == "x/2" and labels("x/3") == OTHER_LABEL
-
-
-def test_vllm_lora_gauge_is_served_without_adapter_versions() -> None:
-    """vllm:lora_requests_info's label values list the engine's LoRA names (`name@sha256`):
-    served with the names alone, each once, and two series that differed only by versions
-    merged into one holding the later time (a scrape must not repeat a series)."""
-    registry = CollectorRegistry()
-    info = Gauge(
-        LORA_INFO,
-        "Running stats on lora requests.",
-        ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-        registry=registry,
-    )
-    v1, v2 = "1" * 64, "2" * 64
-    info.labels("4", "", f"bob/helper@{v1},carol/helper@{v1}").set(100.0)
-    info.labels("4", "", f"bob/helper@{v2},carol/helper@{v1}").set(200.0)
-    info.labels("4", f"bob/helper@{v1},bob/helper@{v2}", "").set(150.0)
-    Gauge("vllm:num_requests_running", "Running.", registry=registry).set(3)
-    text = exposition(WithoutVersions(registry)).decode()
-    assert v1 not in text and v2 not in text and "@" not in text
-    samples = [line for line in text.splitlines() if line.startswith(LORA_INFO + "{")]
-    assert sorted(samples) == sorted([
-        f'{LORA_INFO}{{max_lora="4",running_lora_adapters="bob/helper,carol/helper",'
-        'waiting_lora_adapters=""} 200.0',
-        f'{LORA_INFO}{{max_lora="4",running_lora_adapters="",'
-        'waiting_lora_adapters="bob/helper"} 150.0',
-    ])  # fmt: skip
-    assert "vllm:num_requests_running 3.0" in text  # other families pass through unchanged
 
 
 def test_the_special_adapter_labels_are_names_no_registration_may_take() -> None:
