@@ -16,6 +16,7 @@ from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.store import ObjectStore
 from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
 from loraplex.server.body_limit import BodyLimitMiddleware
+from loraplex.server.drain import Drain, DrainGate
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway
@@ -118,6 +119,7 @@ def create_app(settings: Settings) -> FastAPI:
                     tenancy=tenancy,
                     prompt_threads=prompt_threads,
                     activity=activity,
+                    drain=app.state.drain,
                 )
                 _freeze_startup_heap()
                 yield
@@ -134,6 +136,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.tenancy = None
     app.state.adapter_registry = None
     app.state.body_parser = None
+    app.state.drain = Drain(settings.http.drain_s)
     metrics = GatewayMetrics(CollectorRegistry(), settings.tenancy.adapter_label_top_k)
     metrics.watch_queues(lambda: app.state.tenancy.queue_snapshot() if app.state.tenancy else {})
     metrics.watch_engine(lambda: app.state.gateway is not None and app.state.gateway.engine.healthy)
@@ -145,12 +148,14 @@ def create_app(settings: Settings) -> FastAPI:
     )
     metrics.registry.register(picker)
     install_json_handler()
-    # The last added runs first: access logging wraps the body cap, so a 413 is logged and counted.
+    # The last added runs first: access logging wraps the drain's gate and the body cap, so a
+    # draining replica's 503 and a 413 are logged and counted.
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.http.max_body_bytes,
         timeout_s=settings.http.body_timeout_s,
     )
+    app.add_middleware(DrainGate, drain=app.state.drain)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
     app.add_middleware(MetricsListenerOnly, metrics_port=settings.http.metrics_port)
     install_error_handlers(app)

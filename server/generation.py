@@ -45,6 +45,7 @@ from loraplex.adapters_registry.base import (
     ServableAdapter,
 )
 from loraplex.server.access_log import record_of
+from loraplex.server.drain import Drain, ShuttingDown
 from loraplex.server.engine.client import EngineClient, as_invalid_request
 from loraplex.server.engine.finite_guard import AdapterOutputNotFinite, OutputNotFinite
 from loraplex.server.engine.sampling import to_sampling_params
@@ -87,6 +88,8 @@ class Gateway:
     prompt_threads: Executor = field(default_factory=lambda: ThreadPoolExecutor(1))
     # Where each admitted request stands, for the endpoint picker's gauges (picker_metrics.py).
     activity: LoraActivity = field(default_factory=LoraActivity)
+    # The SIGTERM drain (drain.py): it may cut a request still running at its end.
+    drain: Drain = field(default_factory=lambda: Drain(0.0))
     created: int = field(default_factory=lambda: int(time.time()))  # for /v1/models
 
 
@@ -228,17 +231,23 @@ async def _stream(request: Request, gw: Gateway, body: Any, prep: Prepared) -> A
     ended = False  # the stream's last event went out: [DONE] or an error
     try:
         try:
-            async with aclosing(_deltas(gw, body, prep, choices)) as deltas:
-                async for state, text, logprobs in deltas:
-                    if not announced:
-                        announced = True
-                        for i in range(body.n):
-                            yield _sse(chunk(prep.meta, i, "", None, role=True))
-                    if text or logprobs or state.finish_reason:
-                        yield _sse(
-                            chunk(prep.meta, state.index, text, state.finish_reason, logprobs)
-                        )
-        except Exception as e:  # headers are sent: report the error in-band, as OpenAI does
+            with gw.drain.cuttable():
+                async with aclosing(_deltas(gw, body, prep, choices)) as deltas:
+                    async for state, text, logprobs in deltas:
+                        if not announced:
+                            announced = True
+                            for i in range(body.n):
+                                yield _sse(chunk(prep.meta, i, "", None, role=True))
+                        if text or logprobs or state.finish_reason:
+                            yield _sse(
+                                chunk(prep.meta, state.index, text, state.finish_reason, logprobs)
+                            )
+        except (Exception, asyncio.CancelledError) as e:
+            # Headers are sent: report the error in-band, as OpenAI does.
+            if isinstance(e, asyncio.CancelledError):
+                if not gw.drain.was_cut():
+                    raise  # the client left: nobody reads an event
+                e = ShuttingDown()
             if isinstance(e, ApiError):
                 error = error_body(e.message, e.type, e.code, e.param)
             else:  # what a whole response answers with a 500 (errors.py)
@@ -292,16 +301,20 @@ async def _until_disconnected(request: Request) -> None:
 async def _collect_unless_disconnected(
     request: Request, gw: Gateway, body: Any, prep: Prepared
 ) -> dict[str, Any] | None:
-    """The whole response, or None if the client left first (its engine request is aborted)."""
+    """The whole response, or None if the client left first (its engine request is aborted).
+    Raises ShuttingDown if the drain cut it."""
     work = asyncio.ensure_future(_collect(gw, body, prep))
     watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        with gw.drain.cuttable(work):
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (work, watcher):
             if not task.done():
                 task.cancel()
         await asyncio.gather(work, watcher, return_exceptions=True)
+    if work.cancelled() and gw.drain.was_cut(work):
+        raise ShuttingDown()
     return work.result() if not work.cancelled() else None
 
 

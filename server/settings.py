@@ -310,6 +310,15 @@ class HttpSettings(BaseModel):
         description="Largest request line plus headers accepted (bytes); a larger one is "
         "answered 431 and disconnected.",
     )
+    drain_s: float = Field(
+        30.0,
+        ge=0.0,
+        le=3600.0,
+        description="On SIGTERM, how long requests in flight may go on finishing while new ones "
+        "get 503 with Retry-After and /ready answers 503 (server/drain.py); streams still open "
+        "then end with the OpenAI error event `shutting_down`. An orchestrator's grace period "
+        "must cover its pre-stop pause, drain_s and the engine's stop.",
+    )
     max_connections_per_client: int | None = Field(
         512,
         ge=1,

@@ -1,4 +1,5 @@
-"""Liveness (`/health`: is the engine alive) and readiness (`/ready`: can requests be served).
+"""Liveness (`/health`: is the engine alive) and readiness (`/ready`: can requests be served;
+not while draining, server/drain.py, when `/health` stays 200).
 
 The port opens only once the engine is up: uvicorn runs the app's lifespan, which starts the
 engine, before it binds (as vLLM's own API server does). An orchestrator therefore needs a
@@ -35,4 +36,6 @@ async def ready(request: Request) -> JSONResponse:
     gateway = getattr(request.app.state, "gateway", None)
     if gateway is None or not gateway.engine.healthy:
         return JSONResponse({"status": "not_ready"}, status_code=503)
+    if request.app.state.drain.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ready", "model": gateway.base_model})

@@ -3,12 +3,14 @@ the endpoint picker's rules (tests/support/picker_rules.py) on the private metri
 picker scrapes (/metrics/picker), under a mixed workload (base model, a hot adapter, a cold one).
 
 The gateway runs 2 sequences at once (tenancy.max_running), so a third request waits in its
-queue, where the engine's own counts cannot see it.
+queue, where the engine's own counts cannot see it. The module's last test drains the server
+with SIGTERM (http.drain_s 20 s), which stops it.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from loraplex.server.settings import default_cache_dir
 from tests.support.picker_rules import PickerView, picker_view
 
 HOT, COLD = "demo-attn", "cold/attn"
+DRAIN_S = 20.0
 
 
 class Replica:
@@ -46,7 +49,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
     metrics_port = free_port()
     config = {
         "engine": {"dtype": "float32"},
-        "http": {"admin_token": ADMIN_TOKEN, "metrics_port": metrics_port},
+        "http": {"admin_token": ADMIN_TOKEN, "metrics_port": metrics_port, "drain_s": DRAIN_S},
         "tenancy": {"max_running": 2},
     }
     with live_server(config, tmp_path_factory.mktemp("fleet-replica")) as live:
@@ -190,3 +193,40 @@ def test_metrics_serves_the_picker_families_once_and_no_vllm_leftovers(replica: 
         everything.max_lora,
     )
     assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= lean.families
+
+
+def test_sigterm_drains_finishes_what_fits_and_cuts_the_rest_with_an_error_event(
+    replica: Replica,
+) -> None:
+    """Runs last: it stops the server. At SIGTERM a 40-token stream has just started and a
+    1,900-token one runs beside it. /ready turns 503 at once (/health stays 200), a new request
+    gets 503 with Retry-After; the short stream finishes whole; the long one is cut at drain_s
+    with the OpenAI error event, not a torn stream; then the server exits."""
+    url = replica.live.base_url
+    long = Stream(url, replica.base_model, max_tokens=1900)
+    assert long.first_token.wait(120), long.events
+    short = Stream(url, HOT, max_tokens=40)
+    assert short.first_token.wait(120), short.events
+    process = replica.live.process
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+
+    assert wait_until(lambda: httpx.get(url + "/ready").status_code == 503, 2)
+    assert httpx.get(url + "/health").status_code == 200
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": HOT, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "shutting_down"
+
+    assert short.done.wait(DRAIN_S) and short.finished, short.events[-3:]
+    assert short.completion_tokens() == 40
+    assert long.done.wait(DRAIN_S + 30), long.events[-3:]
+    error = json.loads(long.events[-1])["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error", error
+    assert long.ended_at is not None and long.ended_at - sent >= DRAIN_S - 1
+    assert process.wait(timeout=120) is not None
+    stopped_s = time.monotonic() - sent
+    assert stopped_s < DRAIN_S + 60, stopped_s
+    print(f"SIGTERM to exit: {stopped_s:.1f} s (drain_s {DRAIN_S})")
