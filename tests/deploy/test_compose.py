@@ -26,6 +26,7 @@ from tests.deploy.manifests import (
     dockerfile_env,
     load_with,
     route_paths,
+    shutdown_budget_s,
 )
 
 COMPOSE_DIR = REPO / "deploy" / "compose"
@@ -86,6 +87,15 @@ def test_server_settings_load_and_its_port_is_published(
     assert "/health" in DOCKERFILES["loraplex-cpu"].read_text().split("HEALTHCHECK", 1)[1]
     volumes = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
     assert volumes[str(settings.cache_dir)] in compose["volumes"], "cache_dir is not on a volume"
+
+
+def test_stop_grace_period_covers_the_drain_and_the_engine_stop(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """`docker compose stop` kills the server at stop_grace_period (10 s unless set)."""
+    settings, _ = _server(compose, tmp_path)
+    grace = compose["services"]["loraplex"]["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > shutdown_budget_s(settings)
 
 
 def test_store_is_the_minio_bucket_the_stack_creates(

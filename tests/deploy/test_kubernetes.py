@@ -16,8 +16,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.adapters_registry.names import check_name, parse_ref
+from loraplex.server.metrics_access import PICKER_METRICS_PATH
+from loraplex.server.picker_metrics import PICKER_ENGINE_FAMILIES
 from tests.deploy.manifests import (
     CRD_DIR,
     KUSTOMIZE,
@@ -39,6 +43,7 @@ from tests.deploy.manifests import (
     route_paths,
     server_container,
     server_deployment,
+    shutdown_budget_s,
     vllm_metric_names,
 )
 
@@ -285,8 +290,48 @@ def test_picker_scores_lora_affinity_and_queue_on_loraplex_metrics(overlay: str)
     assert extractor["parameters"]["defaultEngine"] == labels["llm-d.ai/engine-type"]
     for spec in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec"):
         assert engine[spec], spec
-    source = next(p for p in config["plugins"] if p["type"] == "metrics-data-source")
-    assert source["parameters"]["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("overlay", ALL)
+def test_picker_scrapes_the_metrics_listener_without_a_token(overlay: str, tmp_path: Path) -> None:
+    """The picker sends no token: it reads /metrics/picker on the listener that asks none
+    (http.metrics_port, bound where the picker can reach it), and every name its config reads
+    is served there."""
+    settings, _, _ = overlay_settings(overlay, tmp_path)
+    objects = render(overlay)
+    source = next(
+        p for p in _picker_config(objects)["plugins"] if p["type"] == "metrics-data-source"
+    )["parameters"]
+    assert source["path"] == PICKER_METRICS_PATH and source["scheme"] == "http"
+    assert source["port"] == settings.http.metrics_port
+    assert settings.http.metrics_host == "0.0.0.0"
+    ports = {p["containerPort"] for p in server_container(objects)["ports"]}
+    assert settings.http.metrics_port in ports
+    app = app_for(settings)
+    client = TestClient(app, base_url=f"http://testserver:{settings.http.metrics_port}")
+    response = client.get(PICKER_METRICS_PATH)
+    assert response.status_code == 200, response.text
+    served = {f.name for f in text_string_to_metric_families(response.text)}
+    served |= set(PICKER_ENGINE_FAMILIES)  # vLLM's, once the engine runs
+    assert set(PICKER_ENGINE_FAMILIES) <= vllm_metric_names()
+    read = metric_names_in(json.dumps(_metrics_extractor(objects)["parameters"]))
+    assert read and read <= served, read - served
+
+
+EPP_FLAGS = {
+    line
+    for line in (CRD_DIR / "epp-flags.txt").read_text().splitlines()
+    if line and not line.startswith("#")
+}
+
+
+@pytest.mark.parametrize("overlay", ALL)
+def test_picker_flags_exist_in_its_release(overlay: str) -> None:
+    """Every flag the picker's Deployment passes is one its image defines (an unknown flag
+    stops it at start)."""
+    pod = _pod_templates(render(overlay))["loraplex-picker"]["spec"]
+    (epp,) = pod["containers"]
+    assert set(_flags(epp)) <= EPP_FLAGS, set(_flags(epp)) - EPP_FLAGS
 
 
 @pytest.mark.parametrize("overlay", ALL)
@@ -394,10 +439,15 @@ def test_startup_probe_allows_the_engine_start(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", ALL)
-def test_grace_period_covers_the_pre_stop_pause(overlay: str) -> None:
-    pod = server_deployment(render(overlay))["spec"]["template"]["spec"]
-    pause = server_container(render(overlay))["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["terminationGracePeriodSeconds"] > pause
+def test_grace_period_covers_pause_drain_and_engine_stop(overlay: str, tmp_path: Path) -> None:
+    """Kubernetes kills the pod at terminationGracePeriodSeconds, counted from the preStop
+    pause: after it, the drain (http.drain_s) and the engine's stop must still fit."""
+    settings, _, _ = overlay_settings(overlay, tmp_path)
+    objects = render(overlay)
+    pod = server_deployment(objects)["spec"]["template"]["spec"]
+    pause = server_container(objects)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert settings.http.drain_s > 0
+    assert pod["terminationGracePeriodSeconds"] > pause + shutdown_budget_s(settings)
 
 
 def _max_replicas(objects: tuple[Obj, ...]) -> int:

@@ -45,7 +45,8 @@ def test_scrape_config_passes_promtool_check() -> None:
 
 
 def test_alerts_fire_on_synthetic_series() -> None:
-    """promtool's rule unit tests: error ratio, TTFT SLO burn, engine down, load failures."""
+    """promtool's rule unit tests: error ratio, TTFT SLO burn, engine down, load failures,
+    quarantines, the quota store."""
     promtool("test", "rules", "rules_test.yml", cwd=Path(__file__).parent)
 
 
@@ -127,6 +128,9 @@ def test_rules_use_only_known_loraplex_metrics(path: Path) -> None:
         "loraplex_requests_total",
         "loraplex_adapter_load_failures_total",
         "loraplex_engine_healthy",
+        "loraplex_adapters_quarantined",
+        "loraplex_adapter_quarantines_total",
+        "loraplex_quota_store_healthy",
     )
     for name in re.findall(r"(?<![:\w])(loraplex_[a-z_]+)", path.read_text()):
         assert name.startswith(known), name
