@@ -31,7 +31,7 @@ from loraplex.server.metrics_access import (
 from loraplex.server.model_choice import choose_served_model
 from loraplex.server.picker_metrics import EngineMetrics, PickerMetrics, picker_exposition
 from loraplex.server.request_body import BodyParser
-from loraplex.server.routes import admin_adapters, admin_tenants, health, openai
+from loraplex.server.routes import admin_adapters, admin_tenants, fairness, health, openai
 from loraplex.server.settings import Settings
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.service import Tenancy
@@ -163,6 +163,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(admin_adapters.router)
     app.include_router(admin_tenants.router)
+    app.include_router(fairness.router)
 
     # vLLM (and the adapter registry) register in prometheus_client's default registry; the
     # gateway's metrics, and the endpoint picker's under vLLM's names, live in this app's own
