@@ -110,8 +110,12 @@ def engine_lock() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
-    """Start loraplex with `config` (the YAML config file's content); stop it on exit."""
+def live_server(
+    config: dict[str, Any], workdir: Path, *, hold_engine_lock: bool = True
+) -> Iterator[LiveServer]:
+    """Start loraplex with `config` (the YAML config file's content); stop it on exit. A long
+    run (the soak: 10 minutes) passes `hold_engine_lock=False`: holding the lock, it would keep
+    every other suite's server waiting for its whole length."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "loraplex.yaml"
@@ -121,7 +125,8 @@ def live_server(config: dict[str, Any], workdir: Path) -> Iterator[LiveServer]:
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "LORAPLEX_CONFIG_FILE": str(config_path)}
     log_path = workdir / "server.log"
-    with engine_lock(), log_path.open("wb") as log:
+    lock = engine_lock() if hold_engine_lock else contextlib.nullcontext()
+    with lock, log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "loraplex.server.cli", "serve"],
             stdout=log,
