@@ -78,7 +78,9 @@ def fill_kernel_meta(meta: Any, slots: np.ndarray) -> None:
     if no_lora:
         return
     last = np.iinfo(np.int64).max  # the sort key of "no adapter": after every slot
-    keys = np.where(slots < 0, last, slots)
+    # In int64 whatever the mapping's dtype: numpy 2 keeps an int32 array's dtype, where `last`
+    # overflows (vLLM's token_lora_mapping is int32 on the device).
+    keys = np.where(slots < 0, last, slots.astype(np.int64, copy=False))
     _to_device(meta.token_indices_sorted_by_lora_ids, np.argsort(keys, kind="stable"))
     sorted_keys, counts = np.unique(keys, return_counts=True)
     _to_device(meta.active_lora_ids, np.where(sorted_keys == last, -1, sorted_keys))

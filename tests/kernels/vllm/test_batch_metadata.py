@@ -41,15 +41,17 @@ def batches() -> dict[str, tuple[list[int], list[int]]]:
 CAPTURED = [1, 2, 4, 5]  # vLLM's graph keys for 4 slots under specialize_active_lora
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
 @pytest.mark.parametrize("captured", [[], CAPTURED], ids=["exact count", "cudagraph keys"])
 @pytest.mark.parametrize("name", list(batches()))
 def test_kernel_meta_is_vllms_with_no_adapter_last_and_uncounted(
-    name: str, captured: list[int]
+    name: str, captured: list[int], dtype: type
 ) -> None:
     """vLLM's prepare_tensors on the same mapping with "no adapter" as a slot past the last one
-    (MAX_LORAS) gives our order and counts; its count on the adapters' tokens alone gives ours."""
+    (MAX_LORAS) gives our order and counts; its count on the adapters' tokens alone gives ours.
+    The mapping may come as int64 (slots_of) or int32 (vLLM's device mapping, read back)."""
     token_ids, _ = batches()[name]
-    slots = slots_of(token_ids, LORA_INDEX_TO_ID)
+    slots = slots_of(token_ids, LORA_INDEX_TO_ID).astype(dtype)
     theirs = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu", captured_lora_counts=captured)
     ours = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, "cpu", captured_lora_counts=captured)
     for meta in (theirs, ours):  # stale values from an earlier step must not leak through
