@@ -11,12 +11,19 @@ from typing import Any
 
 import torch
 
+# vLLM 0.26's FusedMoEWithLoRA also keeps `lora_a_stacked`/`lora_b_stacked`: flat lists of
+# views into its w13_/w2_ buffers, one per (slot, expert), for dummy adapters. They are not
+# indexed by slot (indexing them by one counted every slot's values: 176,128 "non-zero" values in
+# a freed slot on the H200), and the buffers they view are read already.
+MOE_VIEW_LISTS = ("lora_a_stacked", "lora_b_stacked")
+
 
 def stacked_tensors(layer: Any) -> Iterator[torch.Tensor]:
     """Every per-slot weight buffer of a vLLM LoRA layer: its `*_stacked` attributes (a tensor,
     or a tuple or list of them), each indexed by slot first."""
+    moe = hasattr(layer, "w13_lora_a_stacked")
     for name, value in vars(layer).items():
-        if not name.endswith("_stacked"):
+        if not name.endswith("_stacked") or (moe and name in MOE_VIEW_LISTS):
             continue
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(tensor, torch.Tensor):
