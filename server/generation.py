@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from loraplex.adapters_registry.base import (
     AdapterError,
@@ -50,6 +50,7 @@ from loraplex.server.engine.client import EngineClient, as_invalid_request
 from loraplex.server.engine.finite_guard import AdapterOutputNotFinite, OutputNotFinite
 from loraplex.server.engine.sampling import to_sampling_params
 from loraplex.server.errors import ApiError, ModelNotFound, as_api_error, error_body
+from loraplex.server.json_pieces import json_response
 from loraplex.server.lora_activity import LoraActivity, Phase, RequestActivity
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -137,7 +138,9 @@ def _append_logprobs(
     tok = gw.engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         part: Any = chat_logprobs(tok, token_ids, logprobs, body.top_logprobs or 0)
-        state.logprobs = (state.logprobs or []) + part
+        if state.logprobs is None:
+            state.logprobs = []
+        state.logprobs.extend(part)  # not `+`: a copy per token made it quadratic
     else:
         part = text_logprobs(tok, token_ids, logprobs, body.logprobs or 0, len(state.text))
         if state.logprobs is None:
@@ -359,6 +362,6 @@ async def complete(
         result = await _collect_unless_disconnected(request, gw, body, prep)
         if result is None:  # the client left; nobody reads this, the access log does
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(result)
+        return json_response(result)
     finally:
         await stack.aclose()
