@@ -50,6 +50,19 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+# What an error quotes of a name the client sent, in UTF-8 bytes: the longest adapter reference
+# (a 128-character name, `@`, a 64-digit version) is 193, so every real name is quoted whole.
+MAX_ECHO_BYTES = 200
+
+
+def echo(text: str) -> str:
+    """`text` as an error may quote it: at most MAX_ECHO_BYTES bytes, cut between characters."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= MAX_ECHO_BYTES:
+        return text
+    return raw[: MAX_ECHO_BYTES - 3].decode("utf-8", "ignore") + "..."
+
+
 class ModelNotFound(ApiError):
     status = 404
     type = "invalid_request_error"
@@ -57,7 +70,8 @@ class ModelNotFound(ApiError):
 
     def __init__(self, model: str) -> None:
         super().__init__(
-            f"The model `{model}` does not exist or you do not have access to it.", param="model"
+            f"The model `{echo(model)}` does not exist or you do not have access to it.",
+            param="model",
         )
 
 

@@ -18,9 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
 from bench.loadgen.server import LiveServer
+from loraplex.server.errors import MAX_ECHO_BYTES
 from loraplex.server.protocol import (
     MAX_MESSAGES,
     MAX_N,
+    MAX_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_TOKEN_COUNT,
     MAX_TOP_K,
@@ -187,6 +189,21 @@ def test_a_field_past_its_bound_is_a_400_naming_it(
     error = r.json()["error"]
     assert error["param"] == param and bound in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_quoted_in_a_short_excerpt(
+    shared_server: LiveServer, bystanders: Bystanders
+) -> None:
+    """The longest `model` the bound lets through, of 4-byte characters (1 KiB): its 404 quotes
+    at most MAX_ECHO_BYTES of it, cut between two characters."""
+    model = "\U0001f600" * MAX_NAME_CHARS
+    r = _post(shared_server, "/v1/chat/completions", json.dumps(_chat(model)).encode())
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model"), error
+    quoted = error["message"].split("`")[1]
+    assert quoted.endswith("...") and model.startswith(quoted[:-3]), error
+    assert len(quoted.encode()) <= MAX_ECHO_BYTES, len(quoted.encode())
 
 
 def test_json_nested_past_the_parser_limit_is_a_400(
