@@ -29,6 +29,17 @@ MAX_CONFIG_BYTES = 256 * 1024
 # Parentheses a module-name pattern may nest: real ones nest 1-3 deep, and the `regex` package
 # compiles recursively (a pattern nested 500 deep raised RecursionError).
 MAX_PATTERN_DEPTH = 32
+# How many module-name patterns a config may hold (rank_pattern and alpha_pattern keys each), and
+# how many characters all of them together with a target_modules regex. PEFT writes a handful of
+# short ones (configs of 1-3 KiB); 256 names each linear of a 36-layer model (7 projections a
+# layer) explicitly. Compiling holds the GIL, in a registration's worker thread as anywhere:
+# 19,490 keys filling the config took 9-11 s of registration (2-core machine), and compiling
+# their alternation (`_suffix_patterns`) held the GIL 344 ms in one C call, every stream waiting
+# that long; 1,024 keys of 250 characters, 763 ms; one key of a 256 KiB alternation, 616 ms.
+# Within both bounds compiling took at most 0.2 s, with no hold above the machine's own
+# scheduling noise (~50 ms at a load average of 13).
+MAX_PATTERN_KEYS = 256
+MAX_PATTERN_CHARS = 8 * 1024
 # The matching time one adapter's module-name patterns (target_modules as a string, rank_pattern
 # keys) may take, together: microseconds a name, but a catastrophically backtracking pattern took
 # 19.6 s on one 31-character module name.
@@ -155,6 +166,32 @@ def _check_alpha(config: dict[str, Any]) -> dict[str, float]:
         )  # fmt: skip
     _check_patterns(pattern, "alpha_pattern")
     return {"": alpha, **pattern}
+
+
+def _check_pattern_sizes(config: dict[str, Any]) -> None:
+    """MAX_PATTERN_KEYS and MAX_PATTERN_CHARS, before any pattern is compiled. The total names
+    the field holding most of it."""
+    chars: dict[str, int] = {}
+    for param in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(param)
+        if isinstance(patterns, dict):  # its type is checked with its values
+            if len(patterns) > MAX_PATTERN_KEYS:
+                raise invalid(
+                    "bad_config",
+                    f"{CONFIG_FILE}: {param} has {len(patterns)} keys; at most {MAX_PATTERN_KEYS}",
+                    param,
+                )
+            chars[param] = sum(len(key) for key in patterns)  # JSON keys are strings
+    if isinstance(targets := config.get("target_modules"), str):
+        chars["target_modules"] = len(targets)
+    total = sum(chars.values())
+    if total > MAX_PATTERN_CHARS:
+        raise invalid(
+            "bad_config",
+            f"{CONFIG_FILE}: the module-name patterns (rank_pattern and alpha_pattern keys, a "
+            f"target_modules regex) hold {total} characters; at most {MAX_PATTERN_CHARS}",
+            max(chars, key=lambda param: chars[param]),
+        )
 
 
 def _check_patterns(patterns: dict[str, Any], param: str) -> None:
@@ -340,6 +377,7 @@ def check_config(
             "peft_type",
         )  # fmt: skip
     _check_features(config)
+    _check_pattern_sizes(config)
     ranks = _check_rank(config, max_lora_rank)
     alphas = _check_alpha(config)
     _check_targets(config, spec, clock)

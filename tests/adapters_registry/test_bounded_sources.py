@@ -1,7 +1,8 @@
 """Registration reads bounded input and quotes none of it (issue 45, findings 6 and 7): copies stop
 at the caps as they read, only regular files on the source's filesystem are read, link loops,
-absurd integers, deep regexes and a bad `__metadata__` are 400s naming the field and the bound,
-and no message carries more than a short excerpt of a file."""
+absurd integers, deep regexes, too many or too long module-name patterns and a bad `__metadata__`
+are 400s naming the field and the bound, and no message carries more than a short excerpt of a
+file."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -16,7 +18,11 @@ from registry_builders import adapter_config, write_adapter
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
-from loraplex.adapters_registry.peft_config import MAX_CONFIG_BYTES
+from loraplex.adapters_registry.peft_config import (
+    MAX_CONFIG_BYTES,
+    MAX_PATTERN_CHARS,
+    MAX_PATTERN_KEYS,
+)
 from loraplex.adapters_registry.s3_store import S3Store
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.sources import fetch_source
@@ -205,6 +211,56 @@ def test_regexes_nested_3000_deep_are_a_400(
     folder = write_adapter(tmp_path / "a", adapter_config(**{field: value}))
     err = validate_refused(folder, dense, "bad_config")
     assert err.param == field and "nests groups 3000 deep; at most 32" in err.message
+
+
+TARGETS = r".*\.(q|v)_proj"  # a target_modules regex of two modules a layer
+
+
+def _keys(count: int, chars: int) -> dict[str, int]:
+    """`count` distinct patterns of `chars` characters each, that no module name ends in."""
+    return {f"zz{i:0{chars - 2}d}": 4 for i in range(count)}
+
+
+def validates(folder: Path, spec: BaseModelSpec) -> None:
+    validate_adapter(
+        folder, spec, max_lora_rank=16, allowed_dtypes={"F16", "BF16", "F32"},
+        max_weight_abs=RegistrySettings().max_weight_abs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_more_pattern_keys_than_the_bound_are_a_400(
+    tmp_path: Path, dense: BaseModelSpec, field: str
+) -> None:
+    """19,490 keys filling the config held the GIL 344 ms compiling (every stream waited)."""
+    at_bound = write_adapter(tmp_path / "ok", adapter_config(**{field: _keys(MAX_PATTERN_KEYS, 8)}))
+    validates(at_bound, dense)
+    past = write_adapter(tmp_path / "a", adapter_config(**{field: _keys(MAX_PATTERN_KEYS + 1, 8)}))
+    err = validate_refused(past, dense, "bad_config")
+    assert err.param == field
+    assert f"has {MAX_PATTERN_KEYS + 1} keys; at most {MAX_PATTERN_KEYS}" in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"rank_pattern": _keys(200, 30), "alpha_pattern": _keys(50, 44)}, "rank_pattern"),
+     ({"rank_pattern": _keys(10, 8), "target_modules": TARGETS + "|" + "x" * MAX_PATTERN_CHARS},
+      "target_modules")],
+    ids=["keys", "target-regex"],
+)  # fmt: skip
+def test_pattern_text_past_the_bound_is_a_400_naming_the_largest_part(
+    tmp_path: Path, dense: BaseModelSpec, fields: dict[str, Any], param: str
+) -> None:
+    """A single key or regex can be a huge alternation too: one of 256 KiB held the GIL 616 ms."""
+    total = sum(len(v) if isinstance(v, str) else sum(map(len, v)) for v in fields.values())
+    assert total > MAX_PATTERN_CHARS
+    err = validate_refused(write_adapter(tmp_path / "a", adapter_config(**fields)), dense,
+                           "bad_config")  # fmt: skip
+    assert err.param == param
+    assert f"hold {total} characters; at most {MAX_PATTERN_CHARS}" in err.message
+    within = {k: dict(list(v.items())[:100]) if isinstance(v, dict) else TARGETS
+              for k, v in fields.items()}  # fmt: skip
+    validates(write_adapter(tmp_path / "ok", adapter_config(**within)), dense)
 
 
 def test_a_link_to_a_file_outside_the_source_on_its_filesystem_still_reads(tmp_path: Path) -> None:

@@ -80,6 +80,9 @@ CASES: dict[str, tuple[Callable[[Path], None], str, str]] = {
         lambda f: edit_header(f, lambda t: t.replace("{", '{"__metadata__":{"format":["pt"]},', 1)),
         WEIGHTS, "__metadata__ must map strings to strings"),
     "80-mb-config": (sparse_80mb_config, CONFIG, "is 80000000 bytes"),
+    "rank-pattern-filling-the-config": (  # compiling them held the GIL 344 ms
+        lambda f: set_config(f, rank_pattern={f"zz{i}": 8 for i in range(19_490)}),
+        "rank_pattern", "has 19490 keys; at most 256"),
 }  # fmt: skip
 
 
