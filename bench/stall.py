@@ -1,27 +1,22 @@
 """Stall benchmark: how much does one maximal request delay every other stream's tokens?
 
 Steady streams (bench.stall_clock, a process of its own) decode from the base model while this
-process sends maximal requests one after another, each just under `http.max_body_bytes`, in
-phases of one shape each:
+process sends maximal requests one after another, in phases of one kind each: the most work one
+request can make the gateway do, by prompt, response or adapter registration
+(bench.stall_attacks lists them).
 
-- `chat_string`    one chat message holding the whole body (issue 45's finding: a chat prompt
-                   just under the 8 MiB cap stalled every stream 11.4 s);
-- `chat_messages`  the body full of tiny messages (the most JSON values a body can hold);
-- `prompt_ids`     a text completion whose prompt is a token-id list filling the body;
-- `nested`         arrays nested as deep as the body allows;
-- `at_char_bound`  the longest prompt the gateway tokenizes (its character bound: context x the
-                   tokenizer's longest token), of ordinary words, then refused for its tokens;
-- `at_char_bound_cjk`  the same length in CJK characters (about 2.7 tokens each: the most
-                   tokenizer work per character found for this tokenizer).
+Each attack phase follows a steady one, `--rounds` times per kind, so drift on a shared machine
+hits both alike; the p99 inter-token latency (ITL) of each attack phase is compared with that
+of the steady phase just before it, and a kind's row reports the median of its rounds (goal: at
+most 50 ms higher, on the 2-core CPU machine) beside the phases pooled. Beside ITL, the latency
+of a GET /health every 50 ms shows the gateway's event loop alone: a stall there is the
+gateway's, a slower engine step is not (the response kinds add 16 sequences to the engine's
+batch, which slows every step). The server admits 32 sequences at once (tenancy.max_running,
+16 by default), so an n=16 request decodes beside the steady streams instead of waiting for all
+of them to end. Prints a table, appends one JSON row per kind (machine, commit, config, the
+load average over its phases) to bench/results/stall.jsonl.
 
-Each attack phase follows a steady one, `--rounds` times per shape, so drift on a shared machine
-hits both alike; the p99 inter-token latency (ITL) of a shape's attack phases is compared with
-that of the steady phases just before them (goal: at most 50 ms higher, on the 2-core CPU
-machine). Beside ITL, the latency of a GET /health every 50 ms shows the gateway's event loop
-alone: a stall there is the gateway's, a slower engine step is not. Prints a table, appends one
-JSON row per shape (machine, commit, config) to bench/results/stall.jsonl.
-
-    python -m bench.stall [--streams 4] [--phase-s 10] [--rounds 3] [--shapes chat_string,...]
+    python -m bench.stall [--streams 4] [--phase-s 10] [--rounds 3] [--kinds chat_string,...]
 """
 
 from __future__ import annotations
@@ -29,7 +24,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -43,78 +39,41 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import append_rows, stamp
-from bench.loadgen.server import LiveServer, live_server
+from bench.loadgen.server import ADMIN_TOKEN, LiveServer, live_server
+from bench.stall_attacks import KINDS, Attack, attacks
 from loraplex.server.settings import load_settings
 
 GOAL_P99_INCREASE_S = 0.050
 # A phase's gaps are those ending up to this long after its last reply (a stall ends when the
 # request that caused it is answered); phases are twice this far apart.
 SETTLE_S = 1.0
-LOREM = "lorem ipsum dolor sit amet, consectetur adipiscing elit sed do eiusmod tempor "
-
-
-def char_bound(max_model_len: int) -> int:
-    """The gateway's character bound on a prompt that leaves one token for the output: the
-    embedded model's tokenizer as vLLM caches it, whose longest token is what the bound uses."""
-    from transformers import AutoTokenizer
-    from vllm.tokenizers.hf import get_cached_tokenizer
-
-    from loraplex.server.demo.model import ensure_demo_model
-    from loraplex.server.settings import default_cache_dir
-
-    tokenizer = get_cached_tokenizer(AutoTokenizer.from_pretrained(ensure_demo_model(
-        default_cache_dir())))  # fmt: skip
-    return (max_model_len - 1) * int(tokenizer.max_chars_per_token)
-
-
-def maximal_bodies(model: str, cap: int, bound: int) -> dict[str, tuple[str, bytes]]:
-    """(path, body) of each shape, every body under `cap` bytes."""
-    room = cap - 1024
-
-    def chat(messages: list[dict[str, str]]) -> bytes:
-        return json.dumps({"model": model, "messages": messages, "max_tokens": 4}).encode()
-
-    tiny = {"role": "user", "content": "hi"}
-    per_message = len(json.dumps(tiny)) + 2
-    random.seed(0)
-    cjk = "".join(chr(random.randint(0x4E00, 0x9FFF)) for _ in range(bound - 256))
-    open_, close = b"[" * (room // 2), b"]" * (room // 2)
-    bodies = {
-        "chat_string": chat([{"role": "user", "content": (LOREM * (room // len(LOREM)))}]),
-        "chat_messages": chat([tiny] * (room // per_message)),
-        "prompt_ids": json.dumps(
-            {"model": model, "prompt": [1000] * (room // 6), "max_tokens": 4}
-        ).encode(),
-        "nested": b'{"model": "%s", "messages": %s%s}' % (model.encode(), open_, close),
-        "at_char_bound": chat([{"role": "user", "content": (LOREM * bound)[: bound - 256]}]),
-        "at_char_bound_cjk": chat([{"role": "user", "content": cjk}]),
-    }
-    paths = {"prompt_ids": "/v1/completions"}
-    for name, body in bodies.items():
-        assert len(body) < cap, (name, len(body), cap)
-    return {name: (paths.get(name, "/v1/chat/completions"), body) for name, body in bodies.items()}
+MAX_RUNNING = 32  # the steady streams and an n=16 request at once, with room to spare
+# A short chat prompt takes about this many of the context's tokens (the template's included).
+PROMPT_TOKENS = 32
 
 
 @dataclass
 class Phase:
-    name: str  # `steady` or the shape sent
+    name: str  # `steady` or the kind sent
     start: float
     end: float = 0.0
-    replies: list[tuple[int, float]] = field(default_factory=list)  # (status, seconds)
+    replies: list[tuple[int, float, int]] = field(default_factory=list)  # status, s, bytes
     gaps: list[float] = field(default_factory=list)  # the steady streams' ITL in the phase
     probes: list[float] = field(default_factory=list)  # GET /health latencies in the phase
+    load: float = 0.0  # the machine's 1-minute load average at the phase's end
 
 
-def attack(server: LiveServer, phase: Phase, path: str, body: bytes, duration: float) -> None:
-    headers = {"content-type": "application/json"}
-    with httpx.Client(base_url=server.base_url, timeout=300) as client:
+def send_for(server: LiveServer, phase: Phase, attack: Attack, duration: float) -> None:
+    """`attack` one request after another until `duration` has passed (a request that takes
+    longer ends the phase when it is answered)."""
+    with httpx.Client(base_url=server.base_url, timeout=600) as client:
         while time.monotonic() - phase.start < duration:
             sent = time.monotonic()
             try:
-                status = client.post(path, content=body, headers=headers).status_code
+                status, size = attack.send(client)
             except httpx.HTTPError:
-                status = 0  # the connection failed: counted as such in the table
-            phase.replies.append((status, time.monotonic() - sent))
+                status, size = 0, 0  # the connection failed: counted as such in the table
+            phase.replies.append((status, time.monotonic() - sent, size))
             time.sleep(0.2)
 
 
@@ -125,16 +84,18 @@ def gaps_ending_in(requests: list[list[float]], start: float, end: float) -> lis
 
 
 def run(args: argparse.Namespace) -> list[Phase]:
-    """`rounds` x (steady, shape) for each shape: each attack phase has a steady one just
+    """`rounds` x (steady, kind) for each kind: each attack phase has a steady one just
     before it, so drift on a shared machine hits both alike."""
     settings = load_settings()  # what the server reads too: the defaults, this environment
-    cap = settings.http.max_body_bytes
-    bound = char_bound(settings.engine.max_model_len)
+    max_model_len = settings.engine.max_model_len
+    response_tokens = args.response_tokens or max_model_len - PROMPT_TOKENS
     workdir = args.out_dir / "tmp" / "stall"
+    config = {"http": {"admin_token": ADMIN_TOKEN}, "tenancy": {"max_running": MAX_RUNNING}}
     phases: list[Phase] = []
-    with live_server({}, workdir) as server:
+    with live_server(config, workdir) as server:
         model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
-        bodies = maximal_bodies(model, cap, bound)
+        sends = attacks(model, settings.http.max_body_bytes, max_model_len, response_tokens,
+                        workdir, args.kinds)  # fmt: skip
         clock = subprocess.Popen(
             [sys.executable, "-m", "bench.stall_clock", "--base-url", server.base_url,
              "--model", model, "--streams", str(args.streams),
@@ -143,16 +104,16 @@ def run(args: argparse.Namespace) -> list[Phase]:
         )  # fmt: skip
         assert clock.stdin is not None and clock.stdout is not None
         assert clock.stdout.readline().strip() == "decoding"
-        for _, shape in itertools.product(range(args.rounds), args.shapes):
+        for _, kind in itertools.product(range(args.rounds), args.kinds):
             steady = Phase("steady", time.monotonic())
             time.sleep(args.phase_s)
-            steady.end = time.monotonic()
+            steady.end, steady.load = time.monotonic(), os.getloadavg()[0]
             time.sleep(2 * SETTLE_S)
-            path, body = bodies[shape]
-            phase = Phase(shape, time.monotonic())
-            attack(server, phase, path, body, args.phase_s)
-            phase.end = time.monotonic()
+            phase = Phase(kind, time.monotonic())
+            send_for(server, phase, sends[kind], args.phase_s)
+            phase.end, phase.load = time.monotonic(), os.getloadavg()[0]
             phases += [steady, phase]
+            print(f"{kind}: {len(phase.replies)} replies, load {phase.load:.1f}", flush=True)
             time.sleep(2 * SETTLE_S)  # the last reply's aftermath is not the next phase's
         out, _ = clock.communicate("stop\n", timeout=120)
     clocked = json.loads(out)
@@ -167,56 +128,72 @@ def _ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000
 
 
+def _kind_row(kind: str, pairs: list[tuple[Phase, Phase]]) -> dict[str, Any]:
+    """One kind's attack phases against the steady phases just before them: the median over
+    the rounds of each round's p99 increase, and the phases pooled."""
+    steady = [g for s, _ in pairs for g in s.gaps]
+    attacked = [g for _, p in pairs for g in p.gaps]
+    steady_probes = [x for s, _ in pairs for x in s.probes]
+    attack_probes = [x for _, p in pairs for x in p.probes]
+    statuses: dict[str, int] = {}
+    for _, p in pairs:
+        for status, _, _ in p.replies:
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+    increases = [_ms(p.gaps, 99) - _ms(s.gaps, 99) for s, p in pairs]
+    probe_increases = [_ms(p.probes, 99) - _ms(s.probes, 99) for s, p in pairs]
+    loads = [phase.load for pair in pairs for phase in pair]
+    return {
+        "kind": kind,
+        "rounds": len(pairs),
+        "replies": statuses,
+        "reply_s_max": max((t for _, p in pairs for _, t, _ in p.replies), default=None),
+        "reply_bytes_max": max((b for _, p in pairs for _, _, b in p.replies), default=None),
+        "gaps": {"steady": len(steady), "attack": len(attacked)},
+        "p99_increase_ms": statistics.median(increases),
+        "p99_increase_ms_rounds": increases,
+        "goal_p99_increase_ms": GOAL_P99_INCREASE_S * 1000,
+        "itl_p50_ms": {"steady": _ms(steady, 50), "attack": _ms(attacked, 50)},
+        "itl_p99_ms": {"steady": _ms(steady, 99), "attack": _ms(attacked, 99)},
+        "itl_max_ms": {"steady": _ms(steady, 100), "attack": _ms(attacked, 100)},
+        "pooled_p99_increase_ms": _ms(attacked, 99) - _ms(steady, 99),
+        "loop_probe_p99_increase_ms": statistics.median(probe_increases),
+        "loop_probe_p99_ms": {"steady": _ms(steady_probes, 99), "attack": _ms(attack_probes, 99)},
+        "loop_probe_max_ms": {
+            "steady": _ms(steady_probes, 100),
+            "attack": _ms(attack_probes, 100),
+        },
+        "load_avg_1m": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+    }
+
+
 def report(args: argparse.Namespace, phases: list[Phase]) -> list[dict[str, Any]]:
-    """One row per shape: its attack phases' ITL and loop probes against the steady phases
-    just before them, pooled over the rounds."""
-    title = f"{args.streams} steady streams; maximal requests one after another, by shape"
+    """One row per kind (`_kind_row`), and the table of them."""
+    title = (f"{args.streams} steady streams; maximal requests one after another, by kind "
+             f"(median of {args.rounds} rounds, each attack phase against the steady one "
+             "before it)")  # fmt: skip
     table = Table(title=title)
-    columns = ("shape", "replies", "ITL p50 ms", "steady p99 ms", "attack p99 ms",
-               "p99 increase ms", "attack max ms", "loop p99 ms (steady/attack)")  # fmt: skip
+    columns = ("kind", "replies", "reply MB", "steady p99 ms", "attack p99 ms",
+               "p99 increase ms", "attack max ms", "loop p99 increase ms", "loop max ms",
+               "load avg")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     rows = []
     base = {**stamp(), "config": {k: str(v) for k, v in vars(args).items()}}
-    for shape in args.shapes:
-        pairs = [(phases[i - 1], p) for i, p in enumerate(phases) if p.name == shape]
-        steady = [g for s, _ in pairs for g in s.gaps]
-        attacked = [g for _, p in pairs for g in p.gaps]
-        steady_probes = [x for s, _ in pairs for x in s.probes]
-        attack_probes = [x for _, p in pairs for x in p.probes]
-        statuses: dict[str, int] = {}
-        for _, p in pairs:
-            for status, _ in p.replies:
-                statuses[str(status)] = statuses.get(str(status), 0) + 1
-        row = {
-            **base,
-            "shape": shape,
-            "replies": statuses,
-            "reply_s_max": max((t for _, p in pairs for _, t in p.replies), default=None),
-            "gaps": {"steady": len(steady), "attack": len(attacked)},
-            "itl_p50_ms": {"steady": _ms(steady, 50), "attack": _ms(attacked, 50)},
-            "itl_p99_ms": {"steady": _ms(steady, 99), "attack": _ms(attacked, 99)},
-            "itl_max_ms": {"steady": _ms(steady, 100), "attack": _ms(attacked, 100)},
-            "p99_increase_ms": _ms(attacked, 99) - _ms(steady, 99),
-            "goal_p99_increase_ms": GOAL_P99_INCREASE_S * 1000,
-            "loop_probe_p99_ms": {
-                "steady": _ms(steady_probes, 99),
-                "attack": _ms(attack_probes, 99),
-            },
-            "loop_probe_max_ms": {
-                "steady": _ms(steady_probes, 100),
-                "attack": _ms(attack_probes, 100),
-            },
-        }
+    for kind in args.kinds:
+        pairs = [(phases[i - 1], p) for i, p in enumerate(phases) if p.name == kind]
+        row = {**base, **_kind_row(kind, pairs)}
         rows.append(row)
+        load = row["load_avg_1m"]
         table.add_row(
-            shape, " ".join(f"{k}x{v}" for k, v in statuses.items()),
-            f"{_ms(steady, 50):.1f}/{_ms(attacked, 50):.1f}", f"{_ms(steady, 99):.1f}",
-            f"{_ms(attacked, 99):.1f}", f"{row['p99_increase_ms']:+.1f}",
-            f"{_ms(attacked, 100):.1f}",
-            f"{_ms(steady_probes, 99):.1f}/{_ms(attack_probes, 99):.1f}",
+            kind, " ".join(f"{k}x{v}" for k, v in row["replies"].items()),
+            f"{(row['reply_bytes_max'] or 0) / 1e6:.2f}",
+            f"{row['itl_p99_ms']['steady']:.1f}", f"{row['itl_p99_ms']['attack']:.1f}",
+            f"{row['p99_increase_ms']:+.1f}", f"{row['itl_max_ms']['attack']:.1f}",
+            f"{row['loop_probe_p99_increase_ms']:+.1f}",
+            f"{row['loop_probe_max_ms']['attack']:.1f}",
+            f"{load['min']:.1f}-{load['max']:.1f}",
         )  # fmt: skip
-    Console(width=180).print(table)
+    Console(width=200).print(table)
     return rows
 
 
@@ -225,14 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=4, help="steady streams")
     parser.add_argument("--max-tokens", type=int, default=400, help="tokens per steady request")
     parser.add_argument("--phase-s", type=float, default=10.0, help="seconds per phase")
-    parser.add_argument("--rounds", type=int, default=3, help="steady/attack pairs per shape")
+    parser.add_argument("--rounds", type=int, default=3, help="steady/attack pairs per kind")
     parser.add_argument(
-        "--shapes", type=lambda s: s.split(","),
-        default=["chat_string", "chat_messages", "prompt_ids", "nested", "at_char_bound",
-                 "at_char_bound_cjk"],
+        "--response-tokens", type=int, default=None,
+        help="tokens per choice of the response kinds (default: to the end of the context)",
     )  # fmt: skip
+    parser.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS))
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    unknown = set(args.kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     rows = report(args, run(args))
     path = append_rows("stall", rows)
     print(f"wrote {len(rows)} rows to {path}")
