@@ -142,8 +142,10 @@ def config_folders(demo_adapter: Path, workdir: Path) -> dict[str, Path]:
     config = json.loads((demo_adapter / CONFIG_FILE).read_text())
     room = MAX_CONFIG_BYTES - len(json.dumps(config)) - 64
     many: dict[str, int] = {}
+    size = 2  # json.dumps(many), counted as it grows: `{}`, then `"zz0": 8, ` an entry
     for i in itertools.count():  # patterns no module name ends in
-        if len(json.dumps(many)) + 16 > room:
+        size += len(f'"zz{i}": {config["r"]}, ')
+        if size > room:
             break
         many[f"zz{i}"] = config["r"]
     width = MAX_PATTERN_CHARS // MAX_PATTERN_KEYS
