@@ -10,14 +10,36 @@ from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
 
-class AdapterError(Exception):
-    """Base of the registry's errors. `http_status` is what the gateway should answer."""
+class ErrorKind(StrEnum):
+    """What kind of failure an error is, for whoever answers it: the gateway maps each kind to
+    one HTTP status and OpenAI error type, in one table (`loraplex.server.errors`)."""
 
-    http_status = 500
+    INVALID = "invalid"
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    TIMEOUT = "timeout"
+    CONFLICT = "conflict"
+    TOO_LARGE = "too_large"
+    UNPROCESSABLE = "unprocessable"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    RATE_LIMITED = "rate_limited"
+    CLIENT_CLOSED = "client_closed"
+    INTERNAL = "internal"
+    NOT_IMPLEMENTED = "not_implemented"
+    UNAVAILABLE = "unavailable"
+
+
+class AdapterError(Exception):
+    """Base of the registry's errors; `kind` says how the gateway answers it."""
+
+    kind = ErrorKind.INTERNAL
     code = "adapter_error"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
@@ -29,21 +51,21 @@ class AdapterError(Exception):
 class AdapterNotFound(AdapterError):
     """No adapter of that name (or the caller may not see it: the two are indistinguishable)."""
 
-    http_status = 404
+    kind = ErrorKind.NOT_FOUND
     code = "model_not_found"
 
 
 class AdapterUnavailable(AdapterError):
     """The adapter exists but cannot be made servable now (e.g. its store is failing)."""
 
-    http_status = 503
+    kind = ErrorKind.UNAVAILABLE
     code = "adapter_unavailable"
 
 
 class AdapterInvalid(AdapterError):
     """A name, request or adapter's files are invalid; the message names the field and the bound."""
 
-    http_status = 400
+    kind = ErrorKind.INVALID
     code = "invalid_adapter"
 
     def __init__(self, message: str, *, param: str | None = None, reason: str = "invalid") -> None:
@@ -58,14 +80,14 @@ class AdapterQuarantined(AdapterError):
     until an admin registers a new version, rolls the name back or clears the quarantine. 422,
     not 409, because clients (OpenAI's SDKs among them) retry a 409 as a transient conflict."""
 
-    http_status = 422
+    kind = ErrorKind.UNPROCESSABLE
     code = "adapter_quarantined"
 
 
 class AdapterConflict(AdapterError):
     """The operation contradicts the catalog's state (e.g. rollback with no earlier version)."""
 
-    http_status = 409
+    kind = ErrorKind.CONFLICT
     code = "adapter_conflict"
 
 

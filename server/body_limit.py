@@ -15,16 +15,26 @@ from __future__ import annotations
 import asyncio
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.server.errors import error_body
+from loraplex.adapters_registry.base import ErrorKind
+from loraplex.server.errors import ApiError, error_response
 
 # A refused body is still read (and dropped) up to this many bytes before the 413 is sent: clients
 # such as httpx read the response only once they have sent the whole body, and a server that
 # closes with bytes unread resets the connection, so they would report a connection error instead
 # of the 413. Past this, the connection is closed unread.
 _DRAIN_MAX_BYTES = 256 * 1024 * 1024
+
+
+class BodyTimeout(ApiError):
+    kind = ErrorKind.TIMEOUT
+    code = "timeout"
+
+
+class BodyTooLarge(ApiError):
+    kind = ErrorKind.TOO_LARGE
+    code = "request_too_large"
 
 
 class BodyLimitMiddleware:
@@ -45,14 +55,14 @@ class BodyLimitMiddleware:
                 f"The request body did not arrive within {self.timeout_s:g} s "
                 "(setting `http.body_timeout_s`)."
             )
-            await _close_with(scope, receive, send, 408, message, "timeout")
+            await _close_with(scope, receive, send, BodyTimeout(message))
             return
         if isinstance(body, str):
             message = (
                 f"The request body {body}; the limit is {self.max_bytes} bytes "
                 "(setting `http.max_body_bytes`)."
             )
-            await _close_with(scope, receive, send, 413, message, "request_too_large")
+            await _close_with(scope, receive, send, BodyTooLarge(message))
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -79,12 +89,8 @@ class BodyLimitMiddleware:
         return messages
 
 
-async def _close_with(
-    scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
-) -> None:
-    body = error_body(message, "invalid_request_error", code)
-    response = JSONResponse(body, status_code=status, headers={"connection": "close"})
-    await response(scope, receive, send)
+async def _close_with(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:
+    await error_response(error, {"connection": "close"})(scope, receive, send)
 
 
 async def _drain(receive: Receive) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from loraplex.server.errors import error_body
+from loraplex.adapters_registry.base import ErrorKind
+from loraplex.server.errors import ApiError, envelope
 from loraplex.server.settings import HttpSettings
 
 
@@ -67,11 +68,11 @@ class ClientConnections:
         return self._open[address]
 
 
-def refusal(status: int, message: str, code: str, setting: str) -> bytes:
+def refusal(kind: ErrorKind, message: str, code: str, setting: str) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, in OpenAI's error envelope."""
-    body = json.dumps(
-        error_body(f"{message} (setting `http.{setting}`).", "invalid_request_error", code)
-    ).encode()
+    error = ApiError(f"{message} (setting `http.{setting}`).", kind=kind, code=code)
+    body = json.dumps(envelope(error)).encode()
+    status = error.status
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -98,7 +99,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         address = self.client[0] if self.client else ""
         if not self._clients.open(address):
             self._refuse(
-                429,
+                ErrorKind.RATE_LIMITED,
                 f"This address holds {self._clients.count(address)} connections; at most "
                 f"{self._limits.max_per_client} are allowed",
                 "too_many_connections",
@@ -123,7 +124,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # the start of a large body.
         if self._in_headers and self._header_bytes > self._limits.max_header_bytes:
             self._refuse(
-                431,
+                ErrorKind.HEADERS_TOO_LARGE,
                 f"The request line and headers passed {self._limits.max_header_bytes} bytes",
                 "headers_too_large",
                 "max_header_bytes",
@@ -159,17 +160,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         seconds = self._limits.header_timeout_s
         self._refuse(
-            408,
+            ErrorKind.TIMEOUT,
             f"The request line and headers did not arrive within {seconds:g} s",
             "timeout",
             "header_timeout_s",
         )
 
-    def _refuse(self, status: int, message: str, code: str, setting: str) -> None:
+    def _refuse(self, kind: ErrorKind, message: str, code: str, setting: str) -> None:
         self._disarm()
         self._in_headers = False
         if not self.transport.is_closing():
-            self.transport.write(refusal(status, message, code, setting))
+            self.transport.write(refusal(kind, message, code, setting))
             self.transport.close()
 
 

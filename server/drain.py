@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loraplex.adapters_registry.base import ErrorKind
 from loraplex.server.errors import ApiError, error_response
 from loraplex.server.metrics_access import METRICS_PATH, PICKER_METRICS_PATH
 
@@ -36,8 +37,7 @@ _ALWAYS_SERVED = frozenset({"/health", "/ready", METRICS_PATH, PICKER_METRICS_PA
 
 
 class ShuttingDown(ApiError):
-    status = 503
-    type = "server_error"
+    kind = ErrorKind.UNAVAILABLE
     code = "shutting_down"
 
     def __init__(self) -> None:

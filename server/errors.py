@@ -1,30 +1,65 @@
-"""One error hierarchy for the gateway, mapped to OpenAI's error envelope in one place.
+"""One error hierarchy for the gateway, mapped to HTTP in one place.
 
-Every error a client can see is an `ApiError` (or an `AdapterError` from the registry, translated
-here). The body is always `{"error": {"message", "type", "param", "code"}}`, as OpenAI sends it.
+Every error a client can see is an `ApiError` (the registry's `AdapterError`s and Starlette's
+HTTP errors are translated to one here). An error carries a kind
+(`ErrorKind`) and a code; `HTTP` alone maps each kind to its status and OpenAI error type, and
+the envelope `{"error": {"message", "type", "param", "code"}}` is rendered here alone, for the
+exception handlers, a stream's error event and the middlewares that answer before any route.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.adapters_registry.base import AdapterError
+from loraplex.adapters_registry.base import AdapterError, ErrorKind
 
 log = logging.getLogger(__name__)
 
+# Each kind's HTTP status and OpenAI error type: the one table.
+HTTP: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID: (400, "invalid_request_error"),
+    ErrorKind.UNAUTHENTICATED: (401, "invalid_request_error"),
+    ErrorKind.FORBIDDEN: (403, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.TIMEOUT: (408, "invalid_request_error"),
+    ErrorKind.CONFLICT: (409, "invalid_request_error"),
+    ErrorKind.TOO_LARGE: (413, "invalid_request_error"),
+    # A client error that retrying will not fix (clients retry a 409 as transient).
+    ErrorKind.UNPROCESSABLE: (422, "invalid_request_error"),
+    ErrorKind.HEADERS_TOO_LARGE: (431, "invalid_request_error"),
+    ErrorKind.RATE_LIMITED: (429, "requests"),  # OpenAI's type for rate limits
+    # nginx's "client closed request": only ever recorded, nobody reads the answer.
+    ErrorKind.CLIENT_CLOSED: (499, "invalid_request_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+    ErrorKind.NOT_IMPLEMENTED: (501, "server_error"),
+    ErrorKind.UNAVAILABLE: (503, "server_error"),
+}
+_KIND_OF_STATUS = {status: kind for kind, (status, _) in HTTP.items()}
+
+
+def kind_of_status(status: int) -> ErrorKind:
+    """The kind of an HTTP status that someone else chose (Starlette's routing); a status the
+    table lacks answers as its class's plain kind."""
+    if status in _KIND_OF_STATUS:
+        return _KIND_OF_STATUS[status]
+    return ErrorKind.INVALID if status < 500 else ErrorKind.INTERNAL
+
 
 class ApiError(Exception):
-    """An error answered to the client. Subclasses fix status, type and code."""
+    """An error answered to the client. Subclasses fix the kind and the code; a translated
+    error (`from_adapter_error`, `kind_of_status`) passes them in."""
 
-    status = 500
-    type = "server_error"
+    kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
     code: str | None = None
 
     def __init__(
@@ -33,16 +68,29 @@ class ApiError(Exception):
         *,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        kind: ErrorKind | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.headers = headers or {}
+        if kind is not None:
+            self.kind = kind  # type: ignore[misc]
+        if code is not None:
+            self.code = code
+
+    @property
+    def status(self) -> int:
+        return HTTP[self.kind][0]
+
+    @property
+    def type(self) -> str:
+        return HTTP[self.kind][1]
 
 
 class InvalidRequest(ApiError):
-    status = 400
-    type = "invalid_request_error"
+    kind = ErrorKind.INVALID
     code = "invalid_value"
 
 
@@ -64,8 +112,7 @@ def echo(text: str) -> str:
 
 
 class ModelNotFound(ApiError):
-    status = 404
-    type = "invalid_request_error"
+    kind = ErrorKind.NOT_FOUND
     code = "model_not_found"
 
     def __init__(self, model: str) -> None:
@@ -76,56 +123,63 @@ class ModelNotFound(ApiError):
 
 
 class Unauthenticated(ApiError):
-    status = 401
-    type = "invalid_request_error"
+    kind = ErrorKind.UNAUTHENTICATED
     code = "invalid_api_key"
 
 
 class RateLimited(ApiError):
-    status = 429
-    type = "requests"
+    kind = ErrorKind.RATE_LIMITED
     code = "rate_limit_exceeded"
 
 
 class EngineOverloaded(ApiError):
-    status = 503
-    type = "server_error"
+    kind = ErrorKind.UNAVAILABLE
     code = "engine_overloaded"
 
 
 class EngineUnavailable(ApiError):
-    status = 503
-    type = "server_error"
+    kind = ErrorKind.UNAVAILABLE
     code = "engine_unavailable"
 
 
 class NotFound(ApiError):
-    status = 404
-    type = "invalid_request_error"
+    kind = ErrorKind.NOT_FOUND
     code = "not_found"
 
 
-def error_body(
-    message: str, type_: str, code: str | None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def internal_error() -> ApiError:
+    """What a client sees of a fault of the server's own: its details stay in the log."""
+    return ApiError("Internal server error.", code="internal_error")
 
 
-def error_response(error: ApiError) -> JSONResponse:
+def envelope(error: ApiError) -> dict[str, Any]:
+    """OpenAI's error body for `error`."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The whole response for `error`, with its own headers (Retry-After, WWW-Authenticate)
+    and `headers`."""
     return JSONResponse(
-        error_body(error.message, error.type, error.code, error.param),
-        status_code=error.status,
-        headers=error.headers,
+        envelope(error), status_code=error.status, headers={**error.headers, **(headers or {})}
     )
 
 
-def as_api_error(error: AdapterError) -> ApiError:
-    """The registry's errors carry their own HTTP status; keep it, wrap it in the envelope."""
-    translated = ApiError(error.message, param=error.param)
-    translated.status = error.http_status
-    translated.code = error.code
-    translated.type = "invalid_request_error" if error.http_status < 500 else "server_error"
-    return translated
+def error_event(error: ApiError) -> str:
+    """A stream's error event for `error` (after which the stream ends)."""
+    return f"data: {json.dumps(envelope(error), separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+def from_adapter_error(error: AdapterError) -> ApiError:
+    """The registry's error as the client sees it: its kind, code, message and field."""
+    return ApiError(error.message, param=error.param, kind=error.kind, code=error.code)
 
 
 # What pydantic appends to a location inside a union field (`prompt.str`,
@@ -175,7 +229,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(AdapterError)
     async def _adapter_error(_: Request, exc: AdapterError) -> JSONResponse:
-        return error_response(as_api_error(exc))
+        return error_response(from_adapter_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -190,17 +244,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(  # its headers too: a 405's Allow (RFC 9110)
-            error_body(str(exc.detail), type_, None),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+        error = ApiError(str(exc.detail), kind=kind_of_status(exc.status_code))
+        return error_response(error, exc.headers)  # its headers too: a 405's Allow (RFC 9110)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(
-            error_body("Internal server error.", "server_error", "internal_error"),
-            status_code=500,
-        )
+        return error_response(internal_error())

@@ -49,7 +49,13 @@ from loraplex.server.drain import Drain, ShuttingDown
 from loraplex.server.engine.client import EngineClient, as_invalid_request
 from loraplex.server.engine.finite_guard import AdapterOutputNotFinite, OutputNotFinite
 from loraplex.server.engine.sampling import to_sampling_params
-from loraplex.server.errors import ApiError, ModelNotFound, as_api_error, error_body
+from loraplex.server.errors import (
+    ApiError,
+    ModelNotFound,
+    error_event,
+    from_adapter_error,
+    internal_error,
+)
 from loraplex.server.json_pieces import json_response
 from loraplex.server.lora_activity import LoraActivity, Phase, RequestActivity
 from loraplex.server.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
@@ -193,7 +199,7 @@ def _as_client_errors(model: str) -> Iterator[None]:
     except AdapterNotFound as e:
         raise ModelNotFound(model) from e
     except AdapterError as e:
-        raise as_api_error(e) from e
+        raise from_adapter_error(e) from e
 
 
 async def _choice_deltas(
@@ -251,14 +257,12 @@ async def _stream(request: Request, gw: Gateway, body: Any, prep: Prepared) -> A
                 if not gw.drain.was_cut():
                     raise  # the client left: nobody reads an event
                 e = ShuttingDown()
-            if isinstance(e, ApiError):
-                error = error_body(e.message, e.type, e.code, e.param)
-            else:  # what a whole response answers with a 500 (errors.py)
+            if not isinstance(e, ApiError):  # what a whole response answers with a 500
                 log.exception("stream %s failed", record.request_id if record else "?")
-                error = error_body("Internal server error.", "server_error", "internal_error")
+                e = internal_error()
             if record is not None:
-                record.error_type = error["error"]["code"]
-            yield _sse(error)
+                record.error_type = e.code
+            yield error_event(e).encode()
             ended = True
             return
         if body.include_usage_in_stream:

@@ -24,6 +24,7 @@ import ipaddress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loraplex.adapters_registry.base import ErrorKind
 from loraplex.server.errors import ApiError, NotFound, Unauthenticated, error_response
 from loraplex.server.settings import HttpSettings
 
@@ -32,8 +33,7 @@ PICKER_METRICS_PATH = "/metrics/picker"
 
 
 class MetricsNotExposed(ApiError):
-    status = 403
-    type = "invalid_request_error"
+    kind = ErrorKind.FORBIDDEN
     code = "metrics_not_exposed"
 
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from loraplex.adapters_registry.base import ErrorKind
 from loraplex.server.engine.parent_death import die_with_parent
 from loraplex.server.errors import ApiError, InvalidRequest
 from loraplex.server.protocol import MAX_PROMPT_TOKENS_KEY
@@ -47,8 +48,7 @@ _JSON_POSITION = re.compile(r" at line (\d+) column (\d+)$")
 
 
 class BodyParserUnavailable(ApiError):
-    status = 503
-    type = "server_error"
+    kind = ErrorKind.UNAVAILABLE
     code = "body_parser_unavailable"
 
 

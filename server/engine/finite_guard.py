@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from loraplex.adapters_registry.base import ServableAdapter
+from loraplex.adapters_registry.base import ErrorKind, ServableAdapter
 from loraplex.server.errors import ApiError
 
 if TYPE_CHECKING:
@@ -33,8 +33,7 @@ class OutputNotFinite(ApiError):
     """The engine produced non-finite logits for this request; nothing non-finite was sent.
     503: the server's fault, and the next request is computed afresh."""
 
-    status = 503
-    type = "server_error"
+    kind = ErrorKind.UNAVAILABLE
     code = "non_finite_output"
 
     def __init__(self, choice: int, token: int, adapter: ServableAdapter | None = None) -> None:
@@ -57,8 +56,7 @@ class AdapterOutputNotFinite(OutputNotFinite):
     is quarantined (422 `adapter_quarantined`, as every later request naming it gets: a client
     error that retrying will not fix)."""
 
-    status = 422
-    type = "invalid_request_error"
+    kind = ErrorKind.UNPROCESSABLE
     code = "adapter_quarantined"
 
     def __init__(self, choice: int, token: int, adapter: ServableAdapter) -> None:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from loraplex.adapters_registry.base import ErrorKind
 from loraplex.server.deps import GatewayDep, app_resource
 from loraplex.server.errors import ApiError
 from loraplex.server.generation import complete
@@ -27,8 +28,7 @@ M = TypeVar("M", bound=BaseModel)
 class ClientClosedRequest(ApiError):
     """The client left before its body arrived: nobody reads the answer, the access log does."""
 
-    status = 499  # nginx's "client closed request", as generation records a client that left
-    type = "invalid_request_error"
+    kind = ErrorKind.CLIENT_CLOSED  # as generation records a client that left
     code = "client_closed_request"
 
 

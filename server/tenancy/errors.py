@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from loraplex.adapters_registry.base import ErrorKind
 from loraplex.server import errors
 
 
@@ -37,8 +38,7 @@ class QuotaStoreUnavailable(errors.ApiError):
     """The shared quota store (tenancy.quota_store) is unreachable and
     tenancy.quota_store_failure is `closed`: no request is admitted until it is back."""
 
-    status = 503
-    type = "server_error"
+    kind = ErrorKind.UNAVAILABLE
     code = "quota_store_unavailable"
     reason = "quota_store_unavailable"
 
@@ -54,8 +54,7 @@ class TenantNotFound(errors.NotFound):
 class TenantConflict(errors.ApiError):
     """Creating a tenant that exists, or changing one defined in the config file."""
 
-    status = 409
-    type = "invalid_request_error"
+    kind = ErrorKind.CONFLICT
     code = "tenant_conflict"
 
 

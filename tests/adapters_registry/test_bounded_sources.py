@@ -16,7 +16,7 @@ import boto3
 import pytest
 from registry_builders import adapter_config, write_adapter
 
-from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base import AdapterInvalid, ErrorKind
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
 from loraplex.adapters_registry.peft_config import (
     MAX_CONFIG_BYTES,
@@ -42,7 +42,7 @@ def fetch_refused(source: Path | str, dest: Path, settings: RegistrySettings) ->
     dest.mkdir(exist_ok=True)
     with pytest.raises(AdapterInvalid) as err:
         fetch_source(str(source), dest, settings)
-    assert err.value.http_status == 400 and len(err.value.message) < MAX_MESSAGE
+    assert err.value.kind is ErrorKind.INVALID and len(err.value.message) < MAX_MESSAGE
     return err.value
 
 
@@ -52,7 +52,7 @@ def validate_refused(folder: Path, spec: BaseModelSpec, reason: str) -> AdapterI
             folder, spec, max_lora_rank=16, allowed_dtypes={"F16", "BF16", "F32"},
             max_weight_abs=RegistrySettings().max_weight_abs,
         )  # fmt: skip
-    assert err.value.reason == reason and err.value.http_status == 400, err.value.message
+    assert err.value.reason == reason and err.value.kind is ErrorKind.INVALID, err.value.message
     assert len(err.value.message) < MAX_MESSAGE, err.value.message
     return err.value
 

@@ -14,7 +14,7 @@ import pytest
 from registry_rig import Rig, metric
 
 from loraplex.adapters_registry.admin import ManagedRegistry
-from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
+from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable, ErrorKind
 from tests.support.s3_fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.anyio
@@ -71,7 +71,7 @@ async def test_persistent_faults_are_a_clear_503_and_others_keep_serving(
     with pytest.raises(AdapterUnavailable) as err:
         async with b.lease("acme/bot"):
             pass
-    assert err.value.http_status == 503 and "`acme/bot`" in err.value.message
+    assert err.value.kind is ErrorKind.UNAVAILABLE and "`acme/bot`" in err.value.message
     assert says.lower() in err.value.message.lower()
     assert nothing_cached(rig, b, b.resolve("acme/bot").version)
     assert metric(b, "loraplex_adapter_load_failures_total", tier="disk") >= 1
@@ -118,7 +118,7 @@ async def test_failing_source_at_registration_is_503_and_changes_nothing(
     fault_proxy.fail(100, 500, "InternalError")
     with pytest.raises(AdapterUnavailable) as err:
         await reg.register("bot", source)
-    assert err.value.http_status == 503 and err.value.param == "source"
+    assert err.value.kind is ErrorKind.UNAVAILABLE and err.value.param == "source"
     assert "InternalError" in err.value.message
     assert reg.store.list_keys("") == before and reg.names() == []
     with pytest.raises(AdapterInvalid, match="no such bucket"):

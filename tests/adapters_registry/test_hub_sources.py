@@ -15,7 +15,7 @@ from fake_hub import FakeHub
 from registry_builders import adapter_config, dense_tensors, write_adapter
 from registry_rig import Rig
 
-from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base import AdapterInvalid, ErrorKind
 from loraplex.adapters_registry.disk_cache import digest_folder
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.sources import fetch_source
@@ -87,7 +87,7 @@ async def test_an_hf_source_that_cannot_be_resolved_is_a_400_naming_it(
     reg = await rig.registry("a")
     with pytest.raises(AdapterInvalid) as err:
         await reg.register("acme/bot", source)
-    assert err.value.http_status == 400 and err.value.param == "source"
+    assert err.value.kind is ErrorKind.INVALID and err.value.param == "source"
     assert source in err.value.message and said in err.value.message, err.value.message
     assert reg.names() == []
 

@@ -13,7 +13,7 @@ from registry_fake_engine import FakeEngine
 from registry_rig import Rig, metric
 
 from loraplex.adapters_registry.admin import ManagedRegistry
-from loraplex.adapters_registry.base import AdapterConflict, AdapterQuarantined
+from loraplex.adapters_registry.base import AdapterConflict, AdapterQuarantined, ErrorKind
 from loraplex.adapters_registry.catalog import VersionHealth
 from tests.support.s3_fault_proxy import FaultProxy
 
@@ -57,7 +57,7 @@ async def test_quarantine_refuses_new_requests_and_unloads_once_in_flight_ones_e
             error = await refused(a, "acme/bot")
             assert info.engine_id in engine.loaded  # in-flight leases finish first
             assert held.engine_id == info.engine_id
-    assert error.http_status == 422 and error.code == "adapter_quarantined"
+    assert error.kind is ErrorKind.UNPROCESSABLE and error.code == "adapter_quarantined"
     assert error.param == "model"
     assert "`acme/bot` is quarantined" in error.message
     assert "non-finite logits in request r-1" in error.message  # one line

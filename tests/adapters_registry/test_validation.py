@@ -20,7 +20,7 @@ from registry_builders import (
     write_adapter,
 )
 
-from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base import AdapterInvalid, ErrorKind
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.adapters_registry.peft_config import PatternClock, rank_for
@@ -46,7 +46,7 @@ def refused(folder: Path, spec: BaseModelSpec, reason: str, max_rank: int = 16) 
     with pytest.raises(AdapterInvalid) as info:
         check(folder, spec, max_rank)
     assert info.value.reason == reason, info.value.message
-    assert info.value.http_status == 400
+    assert info.value.kind is ErrorKind.INVALID
     return info.value
 
 
@@ -351,7 +351,7 @@ def test_a_source_that_cannot_name_anything_is_refused_naming_source(
 ) -> None:
     with pytest.raises(AdapterInvalid) as err:
         fetch_source(source, tmp_path, RegistrySettings())
-    assert err.value.param == "source" and err.value.http_status == 400
+    assert err.value.param == "source" and err.value.kind is ErrorKind.INVALID
 
 
 def test_a_local_source_file_linked_to_a_device_is_refused_not_read(tmp_path: Path) -> None:

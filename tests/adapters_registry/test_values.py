@@ -17,7 +17,7 @@ from registry_rig import Rig, metric
 from safetensors.torch import save_file
 
 from loraplex.adapters_registry import values as values_module
-from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base import AdapterInvalid, ErrorKind
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.tensors import read_header
@@ -61,7 +61,7 @@ def check(folder: Path, spec: BaseModelSpec, max_weight_abs: float = BOUND) -> N
 def refused(folder: Path, spec: BaseModelSpec, reason: str) -> AdapterInvalid:
     with pytest.raises(AdapterInvalid) as err:
         check(folder, spec)
-    assert err.value.reason == reason and err.value.http_status == 400, err.value.message
+    assert err.value.reason == reason and err.value.kind is ErrorKind.INVALID, err.value.message
     return err.value
 
 
