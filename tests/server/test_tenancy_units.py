@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr, ValidationError
+from vllm import SamplingParams
 
 from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.server.engine.client import EngineClient
@@ -664,7 +665,8 @@ def test_every_engine_request_carries_its_tenants_salt() -> None:
         for key in (ACME_KEY, GLOBEX_KEY, "initech-key-0123456789abcdef"):
             admitted = await tenancy.admit(tenancy.authenticate(key, None), None, model="m",
                                            adapter=None, prompt_tokens=3, max_tokens=1)  # fmt: skip
-            async for _ in admitted.generate(engine, [1, 2, 3], None, None, "r"):  # type: ignore[arg-type]
+            params = SamplingParams(max_tokens=1)
+            async for _ in admitted.generate(engine, [1, 2, 3], params, None, "r"):
                 pass
             await admitted.close()
 
