@@ -10,7 +10,7 @@ finite logprob (-inf entries beside finite ones give -inf only to tokens never s
 states that stop being finite reach the logits of that step (the last position's) or, through
 the KV cache, of the next. The guard asks every request for logprob 0 where its client asked for
 none, checks each output's new tokens before it is passed on, and hands the caller the output
-without those logprobs, as if never asked. Its cost on decode: `python -m bench.finite_guard`.
+without those logprobs, as if never asked. Its cost on decode: `python -m bench.isolation_cost`.
 
 A failed request's engine request is aborted by the caller's generator (EngineClient.generate).
 For an adapter's request the error names the adapter, and the gateway quarantines it
