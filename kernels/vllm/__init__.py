@@ -44,6 +44,11 @@ Every vLLM attribute replaced or used to hold state (vLLM's name: ours, why):
         what one `apply` hands from one of those calls to the next.
     TritonExperts.activation._loraplex
         marks the patch as done (fused_experts.patch_triton_experts: once per process).
+    v1.worker.gpu_worker.Worker.init_device (marked _loraplex_wraps)
+        runner_guard.install: in a worker on vLLM's V2 model runner, every attribute in this
+        list that the kernels replaced goes back to vLLM's (the batch metadata stays under
+        engine.specialize_active_lora), before the runner is built; logged with the setting
+        that chose V2. The kernels and warm-up are built for the V1 runner.
     v1.worker.gpu_worker.Worker.compile_or_warm_up_model (marked _loraplex_warm_up)
         warm_up.patch_warm_up: LoRA steps at prefill sizes before vLLM captures its graphs;
         Triton compiles while serving went from 3 to 0.

@@ -12,7 +12,9 @@ and logs one line saying what it did:
   each step's LoRA batch metadata on the host (`batch_metadata`), fuses the gate/up LoRA into
   vLLM's SiLU-and-mul and runs the MoE LoRA beside the base GEMMs (`fused_experts`,
   `side_stream`), and warms the LoRA paths up at prefill sizes (`warm_up`). The package
-  docstring lists every vLLM attribute replaced;
+  docstring lists every vLLM attribute replaced. A GPU worker that runs vLLM's V2 model runner
+  (0.26's default for dense models) puts vLLM's back before it builds the runner, and says so
+  (`runner_guard`: our kernels are built for the V1 runner);
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
 
 Whatever the switch, vLLM version and platform, it first installs the isolation patches
@@ -100,14 +102,17 @@ def _patch() -> PluginState:
                     version)  # fmt: skip
         return PluginState.UNSUPPORTED
     from vllm.lora.ops.triton_ops import lora_expand_op, lora_shrink_op
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.v1.worker import gpu_worker
 
+    from loraplex.kernels.vllm import runner_guard
     from loraplex.kernels.vllm.batch_metadata import update_metadata
     from loraplex.kernels.vllm.custom_ops import (
         define_align_op,
         define_dense_op,
         define_moe_lora_op,
     )
-    from loraplex.kernels.vllm.fused_experts import patch_triton_experts
+    from loraplex.kernels.vllm.fused_experts import METHODS, patch_triton_experts
     from loraplex.kernels.vllm.punica import (
         add_lora_linear,
         configs_at_aligned_block,
@@ -115,9 +120,21 @@ def _patch() -> PluginState:
     )
     from loraplex.kernels.vllm.warm_up import patch_warm_up
 
+    wrapper = punica_gpu.PunicaWrapperGPU
+    # vLLM's attributes before any is replaced, for a worker on the V2 runner to put back.
+    metadata = runner_guard.Originals().save(wrapper, "update_metadata")
+    kernels = (
+        runner_guard.Originals()
+        .save(punica_gpu, "fused_moe_lora")
+        .save(triton_ops, "fused_moe_lora")
+        .save(punica_gpu.ops, "moe_lora_align_block_size")
+        .save(wrapper, "add_lora_linear", "moe_lora_align_block_size", "add_lora_fused_moe")
+        .save(TritonExperts, *METHODS)
+        .save(gpu_worker.Worker, "compile_or_warm_up_model")
+    )
     # First and on its own: engine.specialize_active_lora is safe only with this metadata
     # (`batch_metadata.fill_kernel_meta`), so it stays in place if a later step fails.
-    punica_gpu.PunicaWrapperGPU.update_metadata = update_metadata  # type: ignore[method-assign]
+    wrapper.update_metadata = update_metadata  # type: ignore[method-assign]
     ours = define_moe_lora_op(original)
     define_dense_op(lora_shrink_op._lora_shrink, lora_expand_op._lora_expand)
     align = define_align_op(punica_gpu.ops.moe_lora_align_block_size)
@@ -125,8 +142,7 @@ def _patch() -> PluginState:
     triton_ops.fused_moe_lora = ours
     # punica_gpu calls it as `ops.moe_lora_align_block_size`, looked up on each call.
     punica_gpu.ops.moe_lora_align_block_size = align
-    punica_gpu.PunicaWrapperGPU.add_lora_linear = add_lora_linear  # type: ignore[method-assign]
-    wrapper = punica_gpu.PunicaWrapperGPU
+    wrapper.add_lora_linear = add_lora_linear  # type: ignore[method-assign]
     wrapper.moe_lora_align_block_size = routing_for_our_kernels(  # type: ignore[method-assign]
         wrapper.moe_lora_align_block_size
     )
@@ -135,6 +151,7 @@ def _patch() -> PluginState:
     )
     patch_triton_experts()
     patch_warm_up()
+    runner_guard.install(gpu_worker.Worker, kernels, metadata)
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
              "fused into SiLU-and-mul, beside the base GEMMs at prefill and in CUDA graphs), "
              "add_lora_linear, moe_lora_align_block_size and the LoRA "

@@ -1,6 +1,8 @@
 """The engine guard and the isolation patches on a CUDA GPU with vLLM 0.26 (docs/isolation.md).
 
-What only a GPU engine shows, with vLLM's LoRA kernels (plugin off) and with ours (plugin on):
+What only a GPU engine shows, with vLLM's LoRA kernels (plugin off) and with the plugin on (our
+kernels on the MoE model; on the dense model, which runs on vLLM's V2 runner, the plugin hands
+back to vLLM's kernels: kernels/vllm/runner_guard.py):
 - the guard's signal, the sampled token's raw logprob, from both of vLLM 0.26's model runners:
   the MoE model runs on its V1 runner (the sampler's log_softmax in torch), the dense model on
   its V2 runner (0.26's default for dense models: a Triton logsumexp kernel);
@@ -98,8 +100,10 @@ Result = tuple[Any, ...]  # ("ok", token ids) or (error code, output token, adap
 class EngineRun:
     """What one engine's sequences gave."""
 
+    case: str
     results: dict[str, dict[str, list[Result]]] = field(default_factory=dict)
     patched: list[bool] = field(default_factory=list)
+    kernels: list[bool] = field(default_factory=list)
     slots: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -151,7 +155,11 @@ def run_engine(case: str, root: Path) -> EngineRun:
     rnd = random.Random(5)
     prompts = {batch: [[rnd.randrange(10, 4000) for _ in range(PROMPT_TOKENS)] for _ in reqs]
                for batch, reqs in BATCHES.items()}  # fmt: skip
-    run = EngineRun(patched=llm.collective_rpc("slot_zeroing_installed"))
+    run = EngineRun(
+        case,
+        patched=llm.collective_rpc("slot_zeroing_installed"),
+        kernels=llm.collective_rpc("loraplex_kernels_serve"),
+    )
     try:
         for sequence, x in SEQUENCES.items():
             run.results[sequence] = {
@@ -195,6 +203,12 @@ def run(request: pytest.FixtureRequest, plugin_site: None,
 
 def test_the_plugin_installs_slot_zeroing_in_the_gpu_worker(run: EngineRun) -> None:
     assert run.patched == [True]
+
+
+def test_our_kernels_serve_v1_and_hand_back_on_v2(run: EngineRun) -> None:
+    """Our kernels serve the MoE model (V1 runner); on the dense model (V2 runner) the plugin
+    hands back to vLLM's (kernels/vllm/runner_guard.py), and off, vLLM's serve."""
+    assert run.kernels == [run.case == "moe-plugin"]
 
 
 @pytest.mark.parametrize("poison", ["nan", "huge"])

@@ -57,3 +57,12 @@ class SlotProbe:
         from loraplex.kernels.vllm.lora_slot_hygiene import PATCHED
 
         return bool(getattr(LoRAModelManager._deactivate_adapter, PATCHED, False))
+
+    def loraplex_kernels_serve(self) -> bool:
+        """Whether vLLM's PunicaWrapperGPU in this process calls loraplex's dense LoRA (the
+        plugin's kernels serve) rather than its own (handed back, or never patched)."""
+        from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+        from loraplex.kernels.vllm.punica import add_lora_linear
+
+        return vars(PunicaWrapperGPU).get("add_lora_linear") is add_lora_linear
