@@ -9,6 +9,9 @@ writer that the event there is its own (re-planning would apply it twice). A sna
 state is written every `SNAPSHOT_EVERY` events so a start reads one snapshot plus a short tail, not
 the whole log.
 
+Other parts of the server keep small records in the same log (`RecordsChanged`, `records`: the
+tenants), so that a replica's one poll follows them too: idle, one GET whatever they hold.
+
 Engine ids are allocated by the log (one more than the largest ever given), so an id names exactly
 one version's bytes for the life of the store, across restarts and replicas.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -38,6 +42,7 @@ from loraplex.adapters_registry.events import (
     Moved,
     PinSet,
     Quarantined,
+    RecordsChanged,
     Registered,
     Unquarantined,
     from_json,
@@ -108,6 +113,7 @@ class Catalog:
         self._names: dict[str, NameEntry] = {}
         self._quarantined: dict[str, dict[str, Quarantine]] = {}  # name -> version -> why
         self._max_engine_id = 0
+        self._records: dict[str, dict[str, Any]] = {}  # namespace -> key -> value
         # What every poll's reconcile asks for, kept until the next change: rebuilding both from
         # 10,000 names took 5.7 ms of the event loop a poll.
         self._live_ids: frozenset[int] | None = None
@@ -198,6 +204,12 @@ class Catalog:
             )
         return self._pinned
 
+    def records(self, namespace: str) -> Mapping[str, Any] | None:
+        """The records kept under `namespace` (`RecordsChanged`), None if it was never written.
+        A new mapping after every change to it, never mutated: a reader holding one tells a
+        change by identity."""
+        return self._records.get(namespace)
+
     # ---- mutation (one task at a time) ----
 
     def apply(self, seq: int, event: Event | None) -> None:
@@ -236,6 +248,14 @@ class Catalog:
                 self._names.pop(name, None)
                 self._versions.pop(name, None)
                 self._quarantined.pop(name, None)
+            case RecordsChanged(name=namespace, changes=changes):
+                records = dict(self._records.get(namespace, {}))
+                for key, value in changes.items():
+                    if value is None:
+                        records.pop(key, None)
+                    else:
+                        records[key] = value
+                self._records[namespace] = records
             case None:
                 pass
             case _:
@@ -273,6 +293,8 @@ class Catalog:
                 self._quarantined.setdefault(q["name"], {})[q["version"]] = Quarantine(
                     q["reason"], q["at"]
                 )
+        # Absent from snapshots older than records.
+        self._records = {ns: dict(records) for ns, records in snap.get("records", {}).items()}
         self._max_engine_id = max(self._max_engine_id, int(snap["max_engine_id"]))
         self.last_seq = int(snap["seq"])
         self._drop_dangling_versions()
@@ -372,6 +394,7 @@ class Catalog:
                 for name, versions in self._quarantined.items()
                 for version, q in versions.items()
             ],
+            "records": self._records,
         }
 
     def write_snapshot(self, snap: dict[str, Any]) -> None:

@@ -70,7 +70,16 @@ class Deleted(_Event):
     """`name` and its versions are gone; registering the name again starts a fresh history."""
 
 
-Event = Registered | Moved | PinSet | Quarantined | Unquarantined | Deleted
+@dataclass(frozen=True, kw_only=True)
+class RecordsChanged(_Event):
+    """Records another part of the server keeps in this log, under the namespace `name` (the
+    tenants: `server/tenancy/store.py`): each key of `changes` takes its value, or is removed
+    where the value is None. The catalog keeps the values as they are; their owner checks them."""
+
+    changes: dict[str, Any]
+
+
+Event = Registered | Moved | PinSet | Quarantined | Unquarantined | Deleted | RecordsChanged
 
 _OPS: dict[str, type[Event]] = {
     "register": Registered,
@@ -79,6 +88,7 @@ _OPS: dict[str, type[Event]] = {
     "quarantine": Quarantined,
     "unquarantine": Unquarantined,
     "delete": Deleted,
+    "records": RecordsChanged,
 }
 _OP_OF = {kind: op for op, kind in _OPS.items()}
 
@@ -110,4 +120,6 @@ def from_json(data: dict[str, Any]) -> Event | None:
             return Unquarantined(version=data["version"], **common)
         case "delete":
             return Deleted(**common)
+        case "records":
+            return RecordsChanged(changes=dict(data["changes"]), **common)
     return None

@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.lifecycle import open_adapter_source
-from loraplex.adapters_registry.store import ObjectStore
 from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
 from loraplex.server.body_limit import BodyLimitMiddleware
 from loraplex.server.drain import Drain, DrainGate
@@ -42,18 +42,17 @@ log = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def _tenancy(
-    settings: Settings, store: ObjectStore, metrics: GatewayMetrics
+    settings: Settings, adapters: ManagedRegistry, metrics: GatewayMetrics
 ) -> AsyncIterator[Tenancy]:
+    # Tenants live in the adapter catalog's log, which the registry's poll follows.
     directory = TenantDirectory(
         settings.tenancy,
-        TenantStore(store, settings.tenancy.store_prefix),
+        TenantStore(adapters.sync, settings.tenancy.store_prefix),
         settings.http.admin_token,
     )
+    await directory.start()
     tenancy = Tenancy(settings.tenancy, directory, metrics)
-    async with (
-        tenancy.following_store(settings.registry.poll_interval_s),
-        tenancy.sharing_quotas(),
-    ):
+    async with tenancy.sharing_quotas():
         yield tenancy
 
 
@@ -101,8 +100,7 @@ def create_app(settings: Settings) -> FastAPI:
                     cache_root=settings.cache_dir / "adapters",
                     seed_dir=served.adapters_dir,
                 ) as adapters,
-                # Tenants live beside the adapter catalog, in the same object store.
-                _tenancy(settings, adapters.store, metrics) as tenancy,
+                _tenancy(settings, adapters, metrics) as tenancy,
                 _request_workers(settings) as (body_parser, prompt_threads),
             ):
                 log.info(

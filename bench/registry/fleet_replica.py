@@ -75,7 +75,7 @@ async def follow(config: dict[str, Any]) -> None:
         settings, StubEngine(), model_dir=Path(config["model_dir"]),
         base_model_name=TINY_MODEL_NAME, max_lora_rank=64, max_loras=4, max_cpu_loras=8,
         cache_root=Path(config["cache_root"]), metrics_registry=CollectorRegistry(),
-    ) as registry, following_tenants(registry, settings.poll_interval_s) as tenants:  # fmt: skip
+    ) as registry, following_tenants(registry) as tenants:  # fmt: skip
         emit({
             "ready": time.perf_counter() - start,
             "adapters": len(registry.catalog.names()),

@@ -1,9 +1,11 @@
 """The fleet bench's tenants: seeding them, the changes a writer makes, and how a replica sees them.
 
 Each replica (`bench.registry.fleet_replica`) follows the tenants as the server does
-(`following_tenants`: this tree's tenant directory on the registry's store). The tenants are
-seeded one record per tenant at `tenants/<id>.json` (`seed_tenants`), as the tenancy store
-writes them. A writer replica makes change k through the admin API's calls (`change_tenant`), and
+(`following_tenants`: this tree's tenant directory on the registry's catalog). The tenants are
+seeded one record per tenant at `tenants/<id>.json` (`seed_tenants`), as the tenancy store kept
+them before they moved into the catalog's log: followers of a tree from before read them there,
+and this tree's first replica (the tenant writer, started first) imports them into the log. A
+writer replica makes change k through the admin API's calls (`change_tenant`), and
 every follower reports when it sees change k (`tenant_change_seen`). Five changes per probe
 tenant `probe-<k // 5>`, in this order: create it, set its weight, set its quotas, add a key,
 delete it.
@@ -16,15 +18,11 @@ import json
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from prometheus_client import CollectorRegistry
-
 from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.store import ObjectStore
-from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.keys import HashedKey, new_key
 from loraplex.server.tenancy.model import Tenant, TenantSource
-from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import Quotas, TenancySettings
 from loraplex.server.tenancy.store import TenantStore
 
@@ -52,16 +50,14 @@ def seed_tenants(store: ObjectStore, count: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def following_tenants(
-    registry: ManagedRegistry, poll_interval_s: float
-) -> AsyncIterator[TenantDirectory]:
-    """This tree's tenant directory on the registry's store, following it as the server's
-    lifespan does (`server/app.py`), with no tenants in a config file and no admin token."""
+async def following_tenants(registry: ManagedRegistry) -> AsyncIterator[TenantDirectory]:
+    """This tree's tenant directory on the registry's catalog, as the server's lifespan builds
+    it (`server/app.py`), with no tenants in a config file and no admin token. The registry's
+    poll brings other replicas' changes."""
     settings = TenancySettings()
-    directory = TenantDirectory(settings, TenantStore(registry.store, settings.store_prefix), None)
-    tenancy = Tenancy(settings, directory, GatewayMetrics(CollectorRegistry(), 1))
-    async with tenancy.following_store(poll_interval_s):
-        yield directory
+    directory = TenantDirectory(settings, TenantStore(registry.sync, settings.store_prefix), None)
+    await directory.start()
+    yield directory
 
 
 def probe_tenant(k: int) -> str:

@@ -3,18 +3,17 @@
 `authenticate` maps a bearer key to its tenant. While no tenant anywhere has a key, the server is in
 open mode: every request belongs to the open tenant `default` (the embedded default's single-user
 setup). The admin token is never a tenant key, in either mode. Once keys exist, deleting the last
-tenant that has one is refused: it would open /v1 to everyone without a word. The check sees this
-replica's view of the store: two replicas deleting the last two keyed tenants at the same moment
-can still both succeed (the store has no condition on a delete).
+tenant that has one is refused: it would open /v1 to everyone without a word.
 
-Reads of the store and the admin changes take turns (`_lock`): a poll that read the store before a
-key rotation must not put the old keys back, and each change starts from the store's current
-state, so it does not undo another replica's.
+The stored tenants are the store's (`store.py`: the catalog's log, which the registry's poll
+follows); the directory indexes them again whenever they changed. Each admin change is planned on
+the log's current state and planned again if another replica wrote first, so it never undoes
+another replica's change, and the last-key check holds across replicas: of two replicas deleting
+the last two keyed tenants at once, the second is refused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -42,9 +41,9 @@ class TenantDirectory:
         self._admin_token = admin_token.get_secret_value() if admin_token else None
         self._store = store
         self._clock = clock
-        self._lock = asyncio.Lock()
         self._config = {t.id: self._from_config(t) for t in settings.tenants}
         self._stored: dict[str, Tenant] = {}
+        self._read_store = False  # whether the store's tenants were indexed yet
         self._by_lookup: dict[str, list[tuple[HashedKey, str]]] = {}
         self._default = open_default_tenant()
         self._reindex()
@@ -65,20 +64,37 @@ class TenantDirectory:
             keys=tuple(HashedKey.of(k.get_secret_value()) for k in t.api_keys),
         )
 
+    def _fresh(self) -> None:
+        """Index the store's tenants again if they changed since the last look."""
+        if self._store is None or (stored := self._store.tenants()) is self._stored:
+            return
+        for tid in sorted(stored.keys() & self._config.keys()):
+            log.warning("tenant %s is in both the config file and the store; config wins", tid)
+        was_open = self._read_store and not self._by_lookup
+        self._stored, self._read_store = stored, True
+        self._reindex()
+        if was_open and self._by_lookup:
+            log.warning("tenancy: the first API key exists; open mode is off, /v1 needs keys")
+
+    def _merged(self) -> dict[str, Tenant]:
+        return {**self._stored, **self._config}
+
     def _reindex(self) -> None:
         index: dict[str, list[tuple[HashedKey, str]]] = {}
-        for tenant in self.tenants():
+        for tenant in self._merged().values():
             for key in tenant.keys:
                 index.setdefault(key.lookup_id, []).append((key, tenant.id))
         self._by_lookup = index
 
     @property
     def open_mode(self) -> bool:
+        self._fresh()
         return not self._by_lookup
 
     def tenants(self) -> list[Tenant]:
         """Configured and stored tenants (config wins on an id clash), sorted by id."""
-        merged = {**self._stored, **self._config}
+        self._fresh()
+        merged = self._merged()
         return [merged[i] for i in sorted(merged)]
 
     def describe_mode(self) -> str:
@@ -89,19 +105,12 @@ class TenantDirectory:
             )
         return f"tenancy: {len(self.tenants())} tenants, API keys required on /v1"
 
-    async def load(self) -> None:
-        """Read the store's tenants (again); used at start and to follow other replicas."""
-        async with self._lock:
-            await self._load_locked()
-
-    async def _load_locked(self) -> None:
-        if self._store is None:
-            return
-        stored = await self._store.load_all()
-        for tid in sorted(set(stored) & set(self._config)):
-            log.warning("tenant %s is in both the config file and the store; config wins", tid)
-        self._stored = stored
-        self._reindex()
+    async def start(self) -> None:
+        """Bring the previous release's stored tenants into the store, once per store
+        (`TenantStore.import_legacy`), and say which mode the server is in."""
+        if self._store is not None:
+            await self._store.import_legacy()
+        log.info(self.describe_mode())
 
     @property
     def admin_enabled(self) -> bool:
@@ -126,12 +135,16 @@ class TenantDirectory:
         raise Unauthorized("Incorrect API key provided.")
 
     def get(self, tenant_id: str) -> Tenant:
-        for tenant in self.tenants():
-            if tenant.id == tenant_id:
-                return tenant
-        raise TenantNotFound(f"No tenant `{tenant_id}`.", param="id")
+        self._fresh()
+        tenant = self._config.get(tenant_id) or self._stored.get(tenant_id)
+        if tenant is None:
+            raise TenantNotFound(f"No tenant `{tenant_id}`.", param="id")
+        return tenant
 
     def _stored_only(self, tenant_id: str) -> Tenant:
+        """The stored tenant `tenant_id` as of the store's current state (raises 409 for a
+        config-file tenant, 404 for none)."""
+        self._fresh()
         if tenant_id in self._config:
             raise TenantConflict(
                 f"Tenant `{tenant_id}` is defined in the config file; change it there.", param="id"
@@ -141,25 +154,22 @@ class TenantDirectory:
             raise TenantNotFound(f"No tenant `{tenant_id}`.", param="id")
         return tenant
 
-    async def _put(self, tenant: Tenant) -> None:
-        if self._store is not None:
-            await self._store.save(tenant)
-        was_open = self.open_mode
-        self._stored[tenant.id] = tenant
-        self._reindex()
-        if was_open and not self.open_mode:
-            log.warning("tenancy: the first API key exists; open mode is off, /v1 needs keys")
+    def _writable(self) -> TenantStore:
+        if self._store is None:
+            raise RuntimeError("this tenant directory has no store to change tenants in")
+        return self._store
 
     async def create(
         self, tenant_id: str, display_name: str, weight: float, quotas: Quotas
     ) -> tuple[Tenant, str]:
         """A new stored tenant and its first key (returned once, kept only as a hash)."""
-        async with self._lock:
-            await self._load_locked()
+        key = new_key()
+
+        def plan() -> Tenant:
+            self._fresh()
             if tenant_id in self._config or tenant_id in self._stored:
                 raise TenantConflict(f"Tenant `{tenant_id}` already exists.", param="id")
-            key = new_key()
-            tenant = Tenant(
+            return Tenant(
                 id=tenant_id,
                 display_name=display_name or tenant_id,
                 weight=weight,
@@ -168,8 +178,8 @@ class TenantDirectory:
                 keys=(HashedKey.of(key),),
                 created_at=self._clock(),
             )
-            await self._put(tenant)
-            return tenant, key
+
+        return await self._writable().put(plan), key
 
     async def update(
         self,
@@ -179,32 +189,30 @@ class TenantDirectory:
         weight: float | None = None,
         quotas: Quotas | None = None,
     ) -> Tenant:
-        async with self._lock:
-            await self._load_locked()
+        def plan() -> Tenant:
             old = self._stored_only(tenant_id)
-            tenant = replace(
+            return replace(
                 old,
                 display_name=old.display_name if display_name is None else display_name,
                 weight=old.weight if weight is None else weight,
                 quotas=old.quotas if quotas is None else quotas,
             )
-            await self._put(tenant)
-            return tenant
+
+        return await self._writable().put(plan)
 
     async def rotate_key(self, tenant_id: str, *, keep_old: bool = False) -> tuple[Tenant, str]:
         """A new key for the tenant; the old ones stop working unless `keep_old`."""
-        async with self._lock:
-            await self._load_locked()
+        key = new_key()
+        hashed = HashedKey.of(key)
+
+        def plan() -> Tenant:
             old = self._stored_only(tenant_id)
-            key = new_key()
-            keys = (*old.keys, HashedKey.of(key)) if keep_old else (HashedKey.of(key),)
-            tenant = replace(old, keys=keys)
-            await self._put(tenant)
-            return tenant, key
+            return replace(old, keys=(*old.keys, hashed) if keep_old else (hashed,))
+
+        return await self._writable().put(plan), key
 
     async def delete(self, tenant_id: str) -> None:
-        async with self._lock:
-            await self._load_locked()
+        def plan() -> str:
             tenant = self._stored_only(tenant_id)
             if tenant.keys and not any(t.keys for t in self.tenants() if t.id != tenant_id):
                 raise TenantConflict(
@@ -213,7 +221,6 @@ class TenantDirectory:
                     "another tenant first.",
                     param="id",
                 )
-            if self._store is not None:
-                await self._store.delete(tenant_id)
-            del self._stored[tenant_id]
-            self._reindex()
+            return tenant_id
+
+        await self._writable().delete(plan)

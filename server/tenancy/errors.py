@@ -68,3 +68,11 @@ class RequestTooLarge(errors.InvalidRequest):
     def __init__(self, message: str, *, param: str | None, reason: str) -> None:
         super().__init__(message, param=param)
         self.reason = reason
+
+
+class TenantStoreUnavailable(errors.ApiError):
+    """A change to tenants could not be written to the store (it failed after retries, or
+    other replicas kept writing first); nothing changed."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "tenant_store_unavailable"

@@ -14,7 +14,6 @@ before the engine).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -171,25 +170,3 @@ class Tenancy:
         )  # fmt: skip
         async with self.shared_quotas.running():
             yield
-
-    @contextlib.asynccontextmanager
-    async def following_store(self, interval_s: float) -> AsyncIterator[None]:
-        """Load the stored tenants, then re-read them every `interval_s` (other replicas' edits)."""
-        await self.directory.load()
-        log.info(self.directory.describe_mode())
-
-        async def poll() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.directory.load()
-                except Exception:
-                    log.exception("reading tenants from the store failed; retrying")
-
-        task = asyncio.create_task(poll(), name="tenants-poll")
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -1,7 +1,7 @@
 """Configuration of tenants, quotas and fair dispatch: the `tenancy` section of the settings.
 
 Tenants defined here are fixed for the life of the process; tenants created through
-`/admin/v1/tenants` live in the durable store beside the adapter catalog. Keys written in the
+`/admin/v1/tenants` live in the adapter catalog's durable log (`store.py`). Keys written in the
 config file are `SecretStr`s (masked in reprs, logs and config errors); the tenant directory
 matches requests against their hashes, while the loaded settings keep the plain keys in memory
 for the life of the process, as the file keeps them on disk.
@@ -104,7 +104,9 @@ class TenancySettings(BaseModel):
     )
     store_prefix: str = Field(
         default="tenants/",
-        description="Prefix of tenant records in the adapter catalog's object store.",
+        description="Where the previous release kept one record per tenant in the adapter "
+        "catalog's object store (`<prefix><id>.json`); a start imports them into the catalog's "
+        "log while it holds no tenants.",
     )
     # Bounds: no engine batches more than a few thousand sequences (vLLM's max_num_seqs is 256
     # to 1,024 on GPUs), and a million waiting requests is more than one process should hold.

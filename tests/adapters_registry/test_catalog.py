@@ -299,3 +299,24 @@ def test_quarantine_replays_survives_snapshots_and_goes_with_its_name(
     append(cat, ev.Deleted(name="bot"))
     append(cat, registered(record("bot", v2, 3), pinned=False))  # the same bytes
     assert replay(store).health("bot", v2) is VersionHealth.HEALTHY  # a fresh history
+
+
+def test_records_replay_survive_snapshots_and_change_by_new_mappings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another part of the server's records (the tenants') ride the log: set and removed by key,
+    carried by every snapshot, and each change gives a new mapping (readers compare identity)."""
+    monkeypatch.setattr(catalog_module, "SNAPSHOT_EVERY", 2)
+    store = LocalStore(tmp_path)
+    cat = Catalog(store)
+    assert cat.records("tenants") is None
+    append(cat, ev.RecordsChanged(name="tenants", changes={"a": {"v": 1}, "b": {"v": 2}}))
+    first = cat.records("tenants")
+    append(cat, registered(record("bot", "a" * 64, 1), pinned=False))
+    assert cat.records("tenants") is first  # an adapter's event leaves them as they were
+    cat.write_snapshot(cat.snapshot())
+    append(cat, ev.RecordsChanged(name="tenants", changes={"a": None, "c": {"v": 3}}))
+    assert cat.records("tenants") is not first and first == {"a": {"v": 1}, "b": {"v": 2}}
+    for c in (cat, replay(store)):
+        assert c.records("tenants") == {"b": {"v": 2}, "c": {"v": 3}}
+        assert c.records("other") is None and c.names() == ["bot"]

@@ -1,14 +1,11 @@
 """Pure logic of tenancy: keys, settings, namespaces, quotas, the tenant directory.
 
-The directory's durable store here is the registry's real LocalStore on a temporary directory.
+The directory's durable store, on the catalog's log in S3: tests/server/test_tenant_store.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +13,6 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr, ValidationError
 from vllm import SamplingParams
 
-from loraplex.adapters_registry.local_store import LocalStore
 from loraplex.server.engine.client import EngineClient
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.routes.admin_tenants import CreateTenant, UpdateTenant
@@ -27,7 +23,6 @@ from loraplex.server.tenancy.errors import (
     QueueFull,
     RateLimited,
     RequestTooLarge,
-    TenantConflict,
     Unauthorized,
 )
 from loraplex.server.tenancy.keys import HashedKey, lookup_id, new_key
@@ -36,7 +31,6 @@ from loraplex.server.tenancy.quotas import Demand, QuotaGate, Reservation, Token
 from loraplex.server.tenancy.record import RequestRecord
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import Quotas, TenancySettings, TenantConfig
-from loraplex.server.tenancy.store import TenantStore
 from tests.support.fake_engine_outputs import Tokenizer, output
 
 
@@ -167,32 +161,6 @@ def test_tenancy_settings_are_bounded(tenancy: dict[str, object], field: str) ->
     with pytest.raises(ValidationError) as e:
         settings(**tenancy)
     assert field in str(e.value)
-
-
-def test_a_stored_record_out_of_bounds_is_skipped_and_the_others_load(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A record written by hand, or before the bounds existed, must neither poison the fair
-    queue nor stop every other tenant from loading."""
-
-    async def run() -> None:
-        store = LocalStore(tmp_path)
-        directory = TenantDirectory(settings(), TenantStore(store, "tenants/"), None)
-        _, good = await directory.create("initech", "", 1.0, Quotas())
-        evil_key = new_key()
-        evil = {"id": "evil", "weight": 5e-324, "keys": [HashedKey.of(evil_key).to_json()]}
-        store.put_bytes("tenants/evil.json", json.dumps(evil).encode())
-        store.put_bytes("tenants/junk.json", b"[not json")
-        await directory.load()
-        assert directory.authenticate(good).id == "initech"
-        with pytest.raises(Unauthorized):
-            directory.authenticate(evil_key)
-        assert [t.id for t in directory.tenants()] == ["initech"]
-
-    with caplog.at_level(logging.ERROR):
-        asyncio.run(run())
-    assert "tenants/evil.json is invalid" in caplog.text and "0.001" in caplog.text
-    assert "tenants/junk.json is invalid" in caplog.text
 
 
 # --- namespaces --------------------------------------------------------------------------------
@@ -362,94 +330,6 @@ def test_config_key_equal_to_admin_token_is_refused() -> None:
         TenantDirectory(
             settings(tenants=[{"id": "acme", "api_keys": [ADMIN]}]), None, SecretStr(ADMIN)
         )
-
-
-def test_stored_tenants_survive_a_restart_and_keys_rotate(tmp_path: Path) -> None:
-    def directory() -> TenantDirectory:
-        store = TenantStore(LocalStore(tmp_path), "tenants/")
-        return TenantDirectory(two_tenants(), store, SecretStr(ADMIN))
-
-    async def run() -> None:
-        first = directory()
-        await first.load()
-        created, key = await first.create("initech", "Initech", 3.0, Quotas(max_concurrent=4))
-        assert first.authenticate(key).id == created.id == "initech"
-        assert key not in (tmp_path / "tenants" / "initech.json").read_text()
-        with pytest.raises(TenantConflict):
-            await first.create("initech", "", 1.0, Quotas())
-        with pytest.raises(TenantConflict):
-            await first.create("acme", "", 1.0, Quotas())
-        with pytest.raises(TenantConflict):
-            await first.update("acme", weight=5)
-
-        second = directory()
-        await second.load()
-        restored = second.authenticate(key)
-        assert (restored.weight, restored.quotas.max_concurrent) == (3.0, 4)
-
-        _, new = await second.rotate_key("initech")
-        with pytest.raises(Unauthorized):
-            second.authenticate(key)
-        assert second.authenticate(new).id == "initech"
-        _, kept = await second.rotate_key("initech", keep_old=True)
-        assert second.authenticate(new).id == second.authenticate(kept).id == "initech"
-
-        await first.load()  # another replica follows the store
-        with pytest.raises(Unauthorized):
-            first.authenticate(key)
-        assert first.authenticate(kept).id == "initech"
-
-        await second.delete("initech")
-        await first.load()
-        with pytest.raises(Unauthorized):
-            first.authenticate(kept)
-        assert [t.id for t in first.tenants()] == ["acme", "globex"]
-
-    asyncio.run(run())
-
-
-class SlowStore(TenantStore):
-    """Answers `load_all` with what the store held `delay_s` earlier, like a slow read."""
-
-    delay_s = 0.0
-
-    async def load_all(self) -> dict[str, Tenant]:
-        stored = await super().load_all()
-        await asyncio.sleep(self.delay_s)
-        return stored
-
-
-def test_a_poll_in_flight_never_brings_back_rotated_keys(tmp_path: Path) -> None:
-    async def run() -> None:
-        store = SlowStore(LocalStore(tmp_path), "tenants/")
-        directory = TenantDirectory(settings(), store, SecretStr(ADMIN))
-        _, old = await directory.create("initech", "", 1.0, Quotas())
-        store.delay_s = 0.1
-        poll = asyncio.create_task(directory.load())  # reads the store before the rotation
-        await asyncio.sleep(0.01)
-        store.delay_s = 0.0
-        _, new = await directory.rotate_key("initech")
-        await poll
-        assert directory.authenticate(new).id == "initech"
-        with pytest.raises(Unauthorized):
-            directory.authenticate(old)
-
-    asyncio.run(run())
-
-
-def test_deleting_the_last_keyed_tenant_is_refused_not_open_mode(tmp_path: Path) -> None:
-    async def run() -> None:
-        directory = TenantDirectory(settings(), TenantStore(LocalStore(tmp_path), "t/"), None)
-        assert directory.open_mode
-        await directory.create("initech", "", 1.0, Quotas())
-        with pytest.raises(TenantConflict, match="open mode"):
-            await directory.delete("initech")
-        assert not directory.open_mode
-        _, key = await directory.create("hooli", "", 1.0, Quotas())
-        await directory.delete("initech")
-        assert directory.authenticate(key).id == "hooli" and not directory.open_mode
-
-    asyncio.run(run())
 
 
 def test_public_view_shows_no_secret() -> None:
