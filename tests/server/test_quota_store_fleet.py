@@ -47,9 +47,11 @@ class Fleet:
         )  # fmt: skip
         assert created.status_code == 201, created.text
         key: str = created.json()["api_key"]
+        # B's admin view, not a /v1 call with the key: while B has seen no keyed tenant yet it
+        # is in open mode and answers any key, as the open tenant with no quotas.
         seen = wait_until(
-            lambda: httpx.get(f"{self.b.base_url}/v1/models", timeout=10,
-                              headers={"Authorization": f"Bearer {key}"}).status_code == 200,
+            lambda: httpx.get(f"{self.b.base_url}/admin/v1/tenants/{tenant_id}", headers=ADMIN,
+                              timeout=10).status_code == 200,
             30,
         )  # fmt: skip
         assert seen, f"replica B never read tenant {tenant_id} from the bucket"
