@@ -38,6 +38,7 @@ from loraplex.server.metrics import exposition
 
 LORA_INFO = "vllm:lora_requests_info"
 REQUESTS_WAITING = "vllm:num_requests_waiting"
+GATEWAY_WAITING = "loraplex_gateway_waiting_sequences"
 # vLLM's families the picker reads (llm-d-router's `vllm` engine config).
 PICKER_ENGINE_FAMILIES = (
     REQUESTS_WAITING,
@@ -124,16 +125,26 @@ class EngineMetrics(Collector):
     """What /metrics serves of vLLM's registry: its families, without its LoRA info gauge (the
     module docstring says why), and with the gateway's waiting sequences in its waiting count."""
 
-    def __init__(self, registry: Collector, activity: LoraActivity) -> None:
+    def __init__(
+        self, registry: Collector, activity: LoraActivity, *, gateway_gauge: bool = True
+    ) -> None:
         self._registry = registry
         self._activity = activity
+        self._gateway_gauge = gateway_gauge
 
     def collect(self) -> Iterator[Metric]:
         for family in self._registry.collect():
             if family.name == LORA_INFO:
                 continue
             if family.name == REQUESTS_WAITING:
-                yield _plus(family, self._activity.sequences(Phase.GATEWAY))
+                gateway = self._activity.sequences(Phase.GATEWAY)
+                yield _plus(family, gateway)
+                if self._gateway_gauge:  # the part of that count that waits here, not in vLLM
+                    yield GaugeMetricFamily(
+                        GATEWAY_WAITING,
+                        f"Sequences waiting in the gateway, included in {REQUESTS_WAITING}.",
+                        value=gateway,
+                    )
             else:
                 yield family
 
@@ -143,7 +154,9 @@ def picker_exposition(
 ) -> bytes:
     """/metrics/picker: the families an endpoint picker reads and nothing else, the whole of
     vLLM's registry left unrendered (bench/metrics_render.py: what that saves each scrape)."""
-    engine = EngineMetrics(engine_registry.restricted_registry(PICKER_ENGINE_FAMILIES), activity)
+    engine = EngineMetrics(
+        engine_registry.restricted_registry(PICKER_ENGINE_FAMILIES), activity, gateway_gauge=False
+    )
     return exposition(engine, picker)
 
 
