@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-import logging
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from registry_builders import write_base_model
 from registry_rig import Rig
 
-from bench.loadgen.server import free_port
+from tests.support.moto_s3 import moto_s3
 from tests.support.s3_fault_proxy import FaultProxy
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's S3 server on 127.0.0.1; boto3 speaks real HTTP + SigV4 to it."""
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():  # fmt: skip
-        os.environ.setdefault(key, value)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -19,11 +18,9 @@ from typing import Any
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from bench.loadgen.server import free_port
 from loraplex.adapters_registry import catalog_sync
 from loraplex.adapters_registry.catalog import LOG_PREFIX, Catalog
 from loraplex.adapters_registry.catalog_sync import CatalogSync
@@ -38,6 +35,7 @@ from loraplex.server.tenancy.keys import HashedKey, new_key
 from loraplex.server.tenancy.model import Tenant, TenantSource
 from loraplex.server.tenancy.settings import Quotas, TenancySettings
 from loraplex.server.tenancy.store import NAMESPACE, TenantStore
+from tests.support.moto_s3 import moto_s3
 from tests.support.s3_fault_proxy import FaultProxy
 
 ADMIN = "admin-token-0123456789abcdef"
@@ -46,17 +44,8 @@ PREFIX = "shared"
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():  # fmt: skip
-        os.environ.setdefault(key, value)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
