@@ -186,7 +186,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.own_cache: Path | None = None
         if "LORAPLEX_CACHE_DIR" not in self.env:
-            self.own_cache = own_cache_dir(Path(tempfile.mkdtemp(prefix="loraplex-cache-")))
+            self.own_cache = Path(tempfile.mkdtemp(prefix="loraplex-cache-"))  # filled at start
             self.env["LORAPLEX_CACHE_DIR"] = str(self.own_cache)
         self.command = [
             sys.executable,
@@ -207,7 +207,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
         if self.own_cache is not None:
-            own_cache_dir(self.own_cache)  # again after a stop() removed it
+            own_cache_dir(self.own_cache)  # made again after a stop() removed it
         log = self.log_path.open("wb")
         proc = subprocess.Popen(
             self.command,
