@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.e2e.bench_e2e import EXPERTS, I_MOE, H, install_entry_point, make_adapter, make_model
+from bench.e2e.bench_e2e import install_entry_point
+from bench.e2e.shapes import dims, make_adapter, make_model
 from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
 REQUESTS, PROMPT, OUTPUT = 128, 64, 256
@@ -45,8 +46,8 @@ def run(ns: argparse.Namespace) -> dict:
     from vllm.lora.request import LoRARequest
 
     model, adapter = Path("/tmp/e2e_model"), Path("/tmp/e2e_lora")
-    make_model(model, ns.layers)
-    make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
+    cfg = make_model(model, "qwen3-30b-a3b", ns.layers)
+    make_adapter(adapter, dims(cfg), seed=0)
     start = time.time()
     llm = LLM(
         model=str(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -40,10 +41,13 @@ import statistics
 import time
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.e2e import poison_check
+from bench.e2e.rows import log_since, median, startup_split
+from bench.e2e.shapes import MODELS, RANK, SMALL_CHECK, dims, make_adapter, make_model
 from bench.e2e.traces import summarize_traces
 from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
@@ -54,7 +58,6 @@ REPO = Path(__file__).resolve().parents[2]
 # process, back-to-back ones as much as first ones and at the same clock, and within 3% with the
 # engine core in this process (rows marked engine_in_process).
 PREFILLS_PER_REP = 3
-H, I_MOE, EXPERTS, TOPK, RANK = 2048, 768, 128, 8, 32
 
 
 def install_entry_point(site: Path) -> Path:
@@ -71,72 +74,18 @@ def install_entry_point(site: Path) -> Path:
     return info
 
 
-# The Qwen3-30B-A3B shape of ../shared/gpu/example_make_model.py (num_hidden_layers is --layers).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-    "intermediate_size": 6144, "moe_intermediate_size": I_MOE, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "num_experts": EXPERTS, "num_experts_per_tok": TOPK, "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
-    "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False,
-}  # fmt: skip
-
-
-def make_model(path: Path, layers: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json of the Qwen3-30B-A3B shape with `layers` layers (and `overrides`, e.g. a tiny
-    shape for a CPU dry run); returns the config."""
-    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": layers, **(overrides or {})}
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return cfg
-
-
-def make_adapter(path: Path, layers: int, hidden: int, inter: int, experts: int, q: int, kv: int,
-                 seed: int, scale: float = 0.01) -> None:  # fmt: skip
-    """A random rank-32 PEFT adapter on q/k/v/o and every expert's gate/up/down."""
-    import torch
-    from safetensors.torch import save_file
-
-    if (path / "adapter_model.safetensors").exists():
-        return
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: dry runs of the scripts
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv),
-              "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden)}  # fmt: skip
-    for e in range(experts):
-        for name, io in {"gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-                         "down_proj": (inter, hidden)}.items():  # fmt: skip
-            shapes[f"mlp.experts.{e}.{name}"] = io
-    tensors = {}
-    for layer in range(layers):
-        for mod, (i, o) in shapes.items():
-            p = f"base_model.model.model.layers.{layer}.{mod}"
-            a = torch.randn(RANK, i, device=device, generator=gen) * scale
-            b = torch.randn(o, RANK, device=device, generator=gen) * scale
-            tensors[p + ".lora_A.weight"] = a.bfloat16().cpu()
-            tensors[p + ".lora_B.weight"] = b.bfloat16().cpu()
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": targets,
-        "bias": "none", "task_type": "CAUSAL_LM",
-    }))  # fmt: skip
-
-
 def run_workload(ns: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    model, adapter = Path("/tmp/e2e_model"), Path("/tmp/e2e_lora")
-    make_model(model, ns.layers)
+    model, adapter = Path(f"/tmp/e2e_model_{ns.model}"), Path(f"/tmp/e2e_lora_{ns.model}")
+    cfg = make_model(model, ns.model, ns.layers)
     kw: dict = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                     max_model_len=4096, gpu_memory_utilization=0.88, max_num_seqs=64,
+                    tensor_parallel_size=ns.tp,
                     jit_monitor_verbose=True)  # fmt: skip  # logs every compile while serving
     if ns.mode != "base":
-        make_adapter(adapter, ns.layers, H, I_MOE, EXPERTS, 4096, 512, seed=0)
+        make_adapter(adapter, dims(cfg), seed=0)
         # The compile-cache key follows the switch main() set for the plugin (one source).
         plugin_on = os.environ[ENV_SWITCH] == "1"
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8,
@@ -154,6 +103,7 @@ def run_workload(ns: argparse.Namespace) -> dict:
     start = time.time()
     llm = LLM(**kw)
     startup = time.time() - start
+    startup_parts = startup_split(log_since(ns.log, ns.log_offset))
     rnd = random.Random(0)
 
     def prompts() -> list[Any]:
@@ -185,20 +135,22 @@ def run_workload(ns: argparse.Namespace) -> dict:
             prefills.append({"s": wall, **prefill_clocks.medians,
                              **{k: after[k] - before[k] for k in after}})  # fmt: skip
         prefill = prefills[0]["s"]
+        batch = prompts()
         t = time.time()
         with GpuClocks() as clocks:
-            outs = llm.generate(prompts(), full, lora_request=lrs, use_tqdm=False)
+            streamed = stream_generate(llm, batch, full, lrs)
         total = time.time() - t
         print(f"REP {i} ends {time.strftime('%m-%d %H:%M:%S')}", flush=True)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         reps.append(
             {
                 "prefill_s": prefill,
                 "prefills": prefills,
                 "total_s": total,
-                "out_tokens": tokens,
+                "out_tokens": streamed.tokens,
                 "otps_per_req": 599 / (total - prefill),
-                "throughput": tokens / total,
+                "throughput": streamed.tokens / total,
+                "ttft_p50_s": streamed.ttft_pct(50),
+                "ttft_p90_s": streamed.ttft_pct(90),
                 **clocks.medians,
             }
         )
@@ -220,11 +172,69 @@ def run_workload(ns: argparse.Namespace) -> dict:
             ns.out / "host.samples",
         )
     return {
-        "startup_s": startup, "reps": reps,
+        "startup_s": startup, "startup": startup_parts, "reps": reps,
         **({f"{ns.profile}_profile_us": profile} if ns.profile else {}),
         "otps_per_req_median": statistics.median(r["otps_per_req"] for r in reps),
         "prefill_s_median": statistics.median(r["prefill_s"] for r in reps),
+        "ttft_p50_s": median([r["ttft_p50_s"] for r in reps]),
+        "ttft_p90_s": median([r["ttft_p90_s"] for r in reps]),
     }  # fmt: skip
+
+
+@dataclass
+class Streamed:
+    """What stream_generate saw: each request's output tokens and time to its first token,
+    and the engine steps that returned output (one per step with the engine core's outputs
+    reaching this process a step at a time, as vLLM's engine core sends them)."""
+
+    tokens_per_request: list[list[int]]
+    ttft_s: list[float]
+    steps: int
+    wall_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for t in self.tokens_per_request)
+
+    def ttft_pct(self, q: float) -> float:
+        import numpy as np
+
+        return float(np.percentile(self.ttft_s, q))
+
+
+def stream_generate(llm: Any, prompts: list[Any], params: Any, lrs: list[Any] | None) -> Streamed:
+    """LLM.generate's loop (add every request, step the engine until none is left) with each
+    request's tokens streamed as deltas, so that the time of its first token is seen: a
+    streaming client in this process, where llm.generate hands back only finished requests.
+    All requests are sent at once, as a benchmark client with 16 users starts."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    engine = llm.llm_engine
+    ids = [f"stream-{next(_REQUEST_IDS)}" for _ in prompts]
+    start = time.perf_counter()
+    sent = {}
+    for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        engine.add_request(rid, prompt, params, lora_request=lrs[i] if lrs else None)
+        sent[rid] = time.perf_counter()
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    first: dict[str, float] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += bool(outputs)
+        for out in outputs:
+            new = list(out.outputs[0].token_ids)
+            if new and out.request_id not in first:
+                first[out.request_id] = now - sent[out.request_id]
+            tokens[out.request_id] += new
+    return Streamed([tokens[r] for r in ids], [first[r] for r in ids], steps,
+                    time.perf_counter() - start)  # fmt: skip
+
+
+_REQUEST_IDS = itertools.count()
 
 
 # Events that stall a step and can differ from one prefill to the next: the CUDA caching
@@ -374,16 +384,24 @@ def make_small_model(path: Path) -> None:
     model.to(torch.bfloat16).save_pretrained(path)
 
 
-# Batch name -> the adapter of each request (None: the base model).
+# Batch name -> the adapter of each request (None: the base model). Request i of a batch takes
+# prompt i. The last batch makes the base requests 9 (of 20), each beside adapter requests.
 CHECK_BATCHES: dict[str, list[int | None]] = {
     "two adapters": [0, 1, 0, 1],
     "two adapters beside base": [0, None, 1, None],
     "one adapter beside base": [0, None, None, None],
+    "base between both adapters": [None, 0, None, 1, None, 0, None, 1],
 }
+# n-gram speculation as vLLM 0.26 takes it (config/speculative.py); it needs no draft model, and
+# 0.26 refuses no LoRA with it (its punica wrapper sizes its buffers for the extra tokens).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
+STEP_TIMING = (16, 128)  # requests x output tokens of the check's decode timing
 
 
 def run_check(ns: argparse.Namespace) -> dict:
-    """Greedy tokens of CHECK_BATCHES' requests, in the mode's engine (see the docstring)."""
+    """Greedy tokens of CHECK_BATCHES' requests in the mode's engine (see the docstring), then
+    the engine's time per step over a decode of STEP_TIMING (adapters round robin)."""
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
@@ -391,26 +409,50 @@ def run_check(ns: argparse.Namespace) -> dict:
     make_small_model(model)
     adapters = [Path(f"/tmp/e2e_small_lora{i}") for i in range(2)]
     for i, path in enumerate(adapters):
-        make_adapter(path, 4, 512, 256, 32, 512, 128, seed=10 + i, scale=0.05)
+        make_adapter(path, SMALL_CHECK, seed=10 + i, scale=0.05)
     graphs = ns.mode.endswith("graphs")
-    llm = LLM(model=str(model), skip_tokenizer_init=True, max_model_len=512, enable_lora=True,
-              max_loras=2, max_lora_rank=RANK, gpu_memory_utilization=0.3,
-              enforce_eager=not graphs, specialize_active_lora=graphs)  # fmt: skip
+    lora = "base" not in ns.mode  # check-base*: an engine started without LoRA
+    kw: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, max_model_len=512,
+                              gpu_memory_utilization=0.3, enforce_eager=not graphs,
+                              tensor_parallel_size=ns.tp)  # fmt: skip
+    if lora:
+        kw.update(enable_lora=True, max_loras=2, max_lora_rank=RANK, specialize_active_lora=graphs)
+    if ns.spec:
+        kw["speculative_config"] = NGRAM
+    start = time.time()
+    llm = LLM(**kw)
+    startup = time.time() - start
+    startup_parts = startup_split(log_since(ns.log, ns.log_offset))
     rnd = random.Random(1)
+    width = max(len(batch) for batch in CHECK_BATCHES.values())
     prompts: list[Any] = [
-        {"prompt_token_ids": [rnd.randrange(10, 4000) for _ in range(32)]} for _ in range(4)
+        {"prompt_token_ids": [rnd.randrange(10, 4000) for _ in range(32)]} for _ in range(width)
     ]
     lrs = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, detokenize=False)
-    result: dict[str, list] = {"tokens": [], "margins": []}
+    result: dict[str, Any] = {"startup_s": startup, "startup": startup_parts, "tokens": [],
+                              "margins": []}  # fmt: skip
     for batch in CHECK_BATCHES.values():
         # vLLM takes None in the list for a request without adapter; its hint says otherwise.
-        requests: list[Any] = [None if a is None else lrs[a] for a in batch]
-        for o in llm.generate(prompts, greedy, lora_request=requests, use_tqdm=False):
+        requests: list[Any] = [None if a is None or not lora else lrs[a] for a in batch]
+        outs = llm.generate(prompts[: len(batch)], greedy, lora_request=requests, use_tqdm=False)
+        for o in outs:
             result["tokens"].append(list(o.outputs[0].token_ids))
             # Per position, the greedy token's logprob lead over the runner-up: how near a tie
             # was.
             result["margins"].append([_lead(step) for step in o.outputs[0].logprobs or []])
+    n, length = STEP_TIMING
+    decode = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True, detokenize=False)
+    timing_lrs = [lrs[i % 2] for i in range(n)] if lora else None
+    for _ in range(2):  # the first warms up this batch's shapes
+        timing_prompts = [{"prompt_token_ids": [rnd.randrange(10, 4000) for _ in range(32)]}
+                          for _ in range(n)]  # fmt: skip
+        streamed = stream_generate(llm, timing_prompts, decode, timing_lrs)
+    result["step_timing"] = {
+        "requests": n, "output_tokens": streamed.tokens, "steps": streamed.steps,
+        "wall_s": streamed.wall_s, "ms_per_step": 1e3 * streamed.wall_s / streamed.steps,
+        "tokens_per_step": streamed.tokens / streamed.steps,
+    }  # fmt: skip
     return result
 
 
@@ -419,31 +461,93 @@ def _lead(step: dict[int, Any]) -> float:
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
-CHECK_MODES = ("check-plugin", "check-plugin-graphs", "check-stock-graphs")
+CHECK_MODES = ("check-plugin", "check-plugin-graphs", "check-stock-graphs", "check-base",
+               "check-base-graphs")  # fmt: skip
+
+
+def check_label(mode: str, tp: int = 1, spec: str | None = None) -> str:
+    """The name of a check run's file: its mode, then -tpN and -SPEC where set."""
+    return mode + (f"-tp{tp}" if tp > 1 else "") + (f"-{spec}" if spec else "")
+
+
+def agreement(reference: dict[str, Any], row: dict[str, Any], adapters: list[int | None],
+              base_only: bool = False) -> dict[str, Any]:  # fmt: skip
+    """How many requests' first 16 greedy tokens in `row` equal `reference`'s (base_only: the
+    requests without adapter alone); at each difference, the request, its adapter, the first
+    different position and both runs' margins there (top-1 over top-2 logprob), so that a flip
+    between near-tied tokens tells itself apart from a wrong kernel."""
+    compared = differences = 0
+    found = []
+    for i, (want, got) in enumerate(zip(reference["tokens"], row["tokens"], strict=True)):
+        if base_only and adapters[i] is not None:
+            continue
+        compared += 1
+        at = _first_difference(want[:16], got[:16])
+        if at is None:
+            continue
+        differences += 1
+        found.append({"request": i, "adapter": adapters[i], "position": at,
+                      "reference_margin": _margin(reference, i, at),
+                      "margin": _margin(row, i, at)})  # fmt: skip
+    return {"requests": compared, "agree": compared - differences, "differences": found}
+
+
+def _first_difference(want: list[int], got: list[int]) -> int | None:
+    """The first position where the two differ, or where one stopped (EOS) and the other not."""
+    at = next((j for j, (x, y) in enumerate(zip(want, got, strict=False)) if x != y), None)
+    if at is None and len(want) != len(got):
+        at = min(len(want), len(got))
+    return at
+
+
+def _margin(row: dict[str, Any], request: int, position: int) -> float | None:
+    margins = row["margins"][request]
+    return margins[position] if position < len(margins) else None
+
+
+def comparisons(labels: list[str]) -> list[tuple[str, str, bool]]:
+    """(label, reference label, base requests only) for every check run in `labels` that has a
+    reference among them: a LoRA run against stock eager at its tensor-parallel size (all
+    requests) and against the engine without LoRA in the same graph mode (base requests: the
+    base-untouched check); a speculative run against the same run without speculation."""
+    have = set(labels)
+    pairs = []
+    for label in labels:
+        spec = label.endswith("-ngram")
+        plain = label.removesuffix("-ngram")
+        tp = plain[plain.index("-tp") :] if "-tp" in plain else ""
+        mode = plain.removesuffix(tp)
+        if spec:
+            pairs.append((label, plain, False))
+            continue
+        if mode.startswith("check-base"):
+            continue
+        if mode != "check-stock":
+            pairs.append((label, "check-stock" + tp, False))
+        graphs = "-graphs" if mode.endswith("graphs") else ""
+        pairs.append((label, "check-base" + graphs + tp, True))
+    return [(label, ref, base) for label, ref, base in pairs if ref in have]
 
 
 def compare(out: Path) -> dict:
-    """Per mode that ran (CHECK_MODES), against check-stock: how many requests' first 16 greedy
-    tokens agree; where they do not, the request, its adapter, the position of the first
-    difference and the reference's margin there (its top-1 over top-2 logprob), so that a flip
-    between near-tied tokens tells itself apart from a wrong kernel."""
-    reference = json.loads((out / "e2e_check-stock.json").read_text())
+    """Every comparison (`comparisons`) of the check runs whose files are in `out`."""
     adapters = [a for batch in CHECK_BATCHES.values() for a in batch]
-    result: dict[str, Any] = {"stock": reference["tokens"], "adapters": adapters}
-    for mode in CHECK_MODES:
-        if not (out / f"e2e_{mode}.json").exists():
-            continue
-        tokens = json.loads((out / f"e2e_{mode}.json").read_text())["tokens"]
-        differences = []
-        for i, (a, b) in enumerate(zip(reference["tokens"], tokens, strict=True)):
-            pairs = zip(a[:16], b[:16], strict=True)
-            at = next((j for j, (x, y) in enumerate(pairs) if x != y), None)
-            if at is not None:
-                differences.append({"request": i, "adapter": adapters[i], "position": at,
-                                    "stock_margin": reference["margins"][i][at]})  # fmt: skip
-        result[mode] = {"requests": len(tokens), "agree_first_16": len(tokens) - len(differences),
-                        "differences": differences, "tokens": tokens}  # fmt: skip
+    rows = {path.stem.removeprefix("e2e_"): json.loads(path.read_text())
+            for path in sorted(out.glob("e2e_check-*.json"))}  # fmt: skip
+    result: dict[str, Any] = {"kind": "check-compare", "adapters": adapters, "agreement": {}}
+    for label, ref, base_only in comparisons(list(rows)):
+        entry = agreement(rows[ref], rows[label], adapters, base_only)
+        which = "base requests" if base_only else "all requests"
+        key = f"{label} vs {ref}" + (" (base)" if base_only else "")
+        result["agreement"][key] = {"against": ref, "which": which, **entry}
+    result["step_timing"] = {label: row["step_timing"] for label, row in rows.items()
+                             if "step_timing" in row}  # fmt: skip
     return result
+
+
+def engine_kind(mode: str) -> str:
+    """base (no LoRA), stock (vLLM's LoRA kernels) or plugin (ours), from a mode's name."""
+    return "plugin" if "plugin" in mode else "base" if "base" in mode else "stock"
 
 
 def main() -> None:
@@ -453,7 +557,12 @@ def main() -> None:
     parser.add_argument("mode", choices=modes)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, help="fewer layers than the model's")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--spec", choices=["ngram"], help="check modes: speculative decoding")
+    parser.add_argument("--log", type=Path, help="the file this process's output goes to, "
+                        "for vLLM's start-up lines")  # fmt: skip
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--profile", choices=["decode", "prefill", "host"],
@@ -463,14 +572,15 @@ def main() -> None:
     parser.add_argument("--install", type=Path, help="write the plugin's dist-info here first")
     ns = parser.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
+    ns.log_offset = ns.log.stat().st_size if ns.log and ns.log.exists() else 0
     if ns.install:
         print("plugin entry point in", install_entry_point(ns.install), flush=True)
     if ns.mode == "compare":
-        result = compare(ns.out)
-        for mode in CHECK_MODES:
-            if mode in result:
-                summary = {k: v for k, v in result[mode].items() if k != "tokens"}
-                print("CHECK", mode, json.dumps(summary))
+        result = {"commit": ns.commit, **compare(ns.out)}
+        for key, entry in result["agreement"].items():
+            print("CHECK", key, json.dumps(entry))
+        for label, timing in result["step_timing"].items():
+            print("STEP", label, json.dumps(timing))
         (ns.out / "e2e_check.json").write_text(json.dumps(result) + "\n")
         return
     if ns.mode == "poison-compare":
@@ -488,8 +598,12 @@ def main() -> None:
     run = run_check if ns.mode.startswith("check") else run_workload
     if ns.mode.startswith("poison"):
         run = poison_check.run_poison
-    row = {"mode": ns.mode, "machine": torch.cuda.get_device_name(), "commit": ns.commit,
-           "layers": ns.layers, **run(ns)}  # fmt: skip
+    model = "check" if ns.mode.startswith(("check", "poison")) else ns.model
+    label = check_label(ns.mode, ns.tp, ns.spec) if ns.mode.startswith("check") else ns.mode
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    row = {"mode": label, "model": model, "machine": machine, "commit": ns.commit,
+           "layers": ns.layers or MODELS[ns.model]["num_hidden_layers"], "tp": ns.tp,
+           "engine": engine_kind(ns.mode), **run(ns)}  # fmt: skip
     # vLLM's LoRA switches set for this run (VLLM_LORA_ENABLE_DUAL_STREAM, ...), so rows from
     # runs that differ only there can be told apart.
     if lora_env := {k: v for k, v in os.environ.items() if k.startswith("VLLM_LORA_")}:
@@ -498,7 +612,9 @@ def main() -> None:
     # reaching a separate engine core one by one split a prefill into more steps).
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         row["engine_in_process"] = True
-    (ns.out / f"e2e_{ns.mode}.json").write_text(json.dumps(row, indent=1) + "\n")
+    tp = f"-tp{ns.tp}" if ns.tp > 1 else ""
+    name = label if model == "check" else f"{ns.mode}-{model}{tp}"
+    (ns.out / f"e2e_{name}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 
 

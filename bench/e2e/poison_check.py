@@ -71,12 +71,13 @@ def run_poison(ns: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from bench.e2e.bench_e2e import RANK, _lead, make_adapter, make_small_model
+    from bench.e2e.bench_e2e import _lead, make_small_model
+    from bench.e2e.shapes import RANK, SMALL_CHECK, make_adapter
 
     model = Path("/tmp/e2e_small")
     make_small_model(model)
     good = Path("/tmp/e2e_small_lora0")
-    make_adapter(good, 4, 512, 256, 32, 512, 128, seed=10, scale=0.05)  # the check's adapter 0
+    make_adapter(good, SMALL_CHECK, seed=10, scale=0.05)  # the check's adapter 0
     adapters = {
         "good": good,
         "twin": copy_adapter(good, Path("/tmp/e2e_small_lora0_twin"), None),

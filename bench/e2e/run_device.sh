@@ -59,7 +59,7 @@ for mode in "$@"; do
         "${mode#host-}" --profile host --reps 1 --commit "$commit" --out "$OUT/$mode" \
         --install /tmp/site >"$log" 2>&1
       python3 bench/e2e/host_samples.py "$OUT/$mode/host.samples" \
-        --row "$OUT/$mode/e2e_${mode#host-}.json" --out "$OUT/$mode/samples.json" 2>&1 \
+        --row "$OUT/$mode/e2e_${mode#host-}-qwen3-30b-a3b.json" --out "$OUT/$mode/samples.json" 2>&1 \
         | tee -a "$log" | head -70 ;;
     prefill-*)
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \

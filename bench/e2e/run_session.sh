@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Issue 43's measurements in one GPU session on the 2-GPU kind, one device call per PART, each
+# under 600 s, GPU 0 and GPU 1 running their lists side by side (vLLM in /tmp/site first:
+# ../shared/gpu/README.md). From the repository root:
+#   bash bench/e2e/run_session.sh COMMIT PART
+# PART, most important first (seconds: estimates on a cold H200 machine, docs/bench.md):
+#   a  decode, Qwen3 shape base + plugin (3 reps) | GPT-OSS shape base + plugin (3 reps)
+#   b  decode, stock on both shapes; then the check (small real-weight MoE): eager on GPU 0,
+#      CUDA graphs on GPU 1, each beside an engine started without LoRA (base untouched)
+#   c  n-gram speculative decoding with and without the plugin (graphs); then TP=2 check
+#   d  through the server, Qwen3 shape: loraplex + plugin | vLLM's own server, base and stock
+#   e  decode at TP=2, Qwen3 shape, base + plugin (2 reps)
+#   f  through the server, GPT-OSS shape (as d)
+# Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
+# $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
+# a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
+# BUDGET_S (570 by default) from the script's start.
+set -uo pipefail
+commit=$1
+part=$2
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+BUDGET_S=${BUDGET_S:-570}
+work=/tmp/e2e_session/$part
+rm -rf "$work"
+mkdir -p "$work" "$OUT"
+report="$OUT/e2e_session_$part.log"
+t0=$SECONDS
+
+# engine LABEL LIMIT_S CMD...: CMD's output in $work/LABEL.log, killed after LIMIT_S or at the
+# part's budget, whichever comes first; a failed run's last lines go to the report.
+engine() {
+  local label=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - t0)))
+  ((left < limit)) && limit=$left
+  if ((limit < 30)); then
+    echo "SKIP $label: ${left} s of the budget left" | tee -a "$report"
+    return
+  fi
+  local log="$work/$label.log" start=$SECONDS rc
+  timeout "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  echo "DONE $label rc=$rc $((SECONDS - start)) s (at $((SECONDS - t0)) s)" | tee -a "$report"
+  if ((rc != 0)); then
+    grep -E "Error|error:|Traceback" "$log" | cut -c1-300 | tail -5 >>"$report"
+    tail -n 15 "$log" | cut -c1-300 >>"$report"
+  fi
+}
+
+# bench LABEL LIMIT_S ARGS...: bench_e2e.py with ARGS, its rows into $work.
+bench() {
+  local label=$1 limit=$2
+  shift 2
+  engine "$label" "$limit" python3 bench/e2e/bench_e2e.py "$@" --commit "$commit" \
+    --out "$work" --install /tmp/site --log "$work/$label.log"
+}
+
+# serve LABEL ARGS...: serve_e2e.py with ARGS (its own start timeout within the budget).
+serve() {
+  local label=$1
+  shift
+  local left=$((BUDGET_S - (SECONDS - t0) - 20))
+  engine "$label" $((left + 20)) python3 -m bench.e2e.serve_e2e "$@" --commit "$commit" \
+    --out "$work" --install /tmp/site --requests 32 --start-timeout "$left"
+}
+
+serve_deps() {  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
+  for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
+    botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
+    markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
+    dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
+    prometheus_client:prometheus_client; do
+    python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
+      --no-deps --target /tmp/site .gpu/p6/"${pair#*:}"-*.whl
+  done
+}
+
+qwen=(--model qwen3-30b-a3b)
+oss=(--model gpt-oss-20b)
+case "$part" in
+  a)
+    (export CUDA_VISIBLE_DEVICES=0
+      bench base-qwen 300 base "${qwen[@]}"
+      bench plugin-qwen 300 plugin "${qwen[@]}") &
+    (export CUDA_VISIBLE_DEVICES=1
+      bench base-oss 280 base "${oss[@]}"
+      bench plugin-oss 300 plugin "${oss[@]}") &
+    wait ;;
+  b)
+    (export CUDA_VISIBLE_DEVICES=0
+      bench stock-qwen 320 stock "${qwen[@]}"
+      for m in check-stock check-base check-plugin; do bench "$m" 120 "$m"; done) &
+    (export CUDA_VISIBLE_DEVICES=1
+      bench stock-oss 300 stock "${oss[@]}"
+      for m in check-base-graphs check-plugin-graphs check-stock-graphs; do
+        bench "$m" 150 "$m"
+      done) &
+    wait ;;
+  c)
+    (export CUDA_VISIBLE_DEVICES=0
+      bench check-plugin-graphs 150 check-plugin-graphs
+      bench check-plugin-graphs-ngram 150 check-plugin-graphs --spec ngram) &
+    (export CUDA_VISIBLE_DEVICES=1
+      bench check-base-graphs 150 check-base-graphs
+      bench check-base-graphs-ngram 150 check-base-graphs --spec ngram) &
+    wait
+    export CUDA_VISIBLE_DEVICES=0,1
+    bench check-stock-tp2 150 check-stock --tp 2
+    bench check-plugin-graphs-tp2 180 check-plugin-graphs --tp 2
+    bench check-base-graphs-tp2 150 check-base-graphs --tp 2 ;;
+  d | f)
+    serve_deps
+    model=("${qwen[@]}")
+    [ "$part" = f ] && model=("${oss[@]}")
+    (export CUDA_VISIBLE_DEVICES=0
+      serve serve-plugin --modes plugin "${model[@]}" --root /tmp/e2e_serve0) &
+    (export CUDA_VISIBLE_DEVICES=1
+      serve serve-vllm --modes vllm-base vllm-stock "${model[@]}" --root /tmp/e2e_serve1) &
+    wait ;;
+  e)
+    export CUDA_VISIBLE_DEVICES=0,1
+    bench base-qwen-tp2 280 base "${qwen[@]}" --tp 2 --reps 2
+    bench plugin-qwen-tp2 290 plugin "${qwen[@]}" --tp 2 --reps 2 ;;
+  *)
+    echo "unknown part $part (a b c d e f)" >&2
+    exit 2 ;;
+esac
+
+if ls "$work"/e2e_check-*.json >/dev/null 2>&1; then
+  python3 bench/e2e/bench_e2e.py compare --commit "$commit" --out "$work" >>"$report" 2>&1
+fi
+python3 -m bench.e2e.rows collect "$work" "$OUT/e2e_session_$part.jsonl" --part "$part"
+python3 -m bench.e2e.rows summary "$OUT/e2e_session_$part.jsonl" | tee -a "$report"
+echo "part $part: $((SECONDS - t0)) s"
