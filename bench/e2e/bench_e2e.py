@@ -1,32 +1,43 @@
 """End to end on the device: base model, stock vLLM with LoRA, vLLM with the loraplex plugin.
 
     PYTHONPATH=/tmp/site:. python3 bench/e2e/bench_e2e.py MODE --commit SHA --out DIR
+        [--model qwen3-30b-a3b|gpt-oss-20b] [--tp N] [--spec ngram] [--log FILE]
     MODE: base | stock | plugin | check-stock | check-plugin | check-plugin-graphs
-          | check-stock-graphs | compare   (bench/e2e/run_device.sh check runs the four checks)
+          | check-stock-graphs | check-base | check-base-graphs | compare
           | poison-stock | poison-plugin | poison-stock-graphs | poison-plugin-graphs
           | poison-compare   (run_device.sh poison runs the four: poison_check.py)
+    bench/e2e/run_session.sh runs issue 43's set in parts, two GPUs side by side.
 
-base/stock/plugin: the workload of issue 6 on a Qwen3-30B-A3B-shaped model with dummy weights
-(48 layers, 128 experts top-8; `--layers` for fewer): 16 concurrent requests of 1600 prompt and
-600 output tokens, 8 rank-32 adapters on attention and all experts, round robin, CUDA graphs on.
-Per repetition (default 3, fresh prompts each, no prefix-cache hits): the prefill time of the 16
-prompts (max_tokens=1) and the output tokens/s per request, (600 - 1) / (total - prefill), the
-proxy of ../shared/gpu/example_bench_offline.py whose baseline the issue quotes. Each prefill
+base/stock/plugin: the workload of issue 6 on a model shape with dummy weights (`--model`,
+bench/e2e/shapes.py: Qwen3-30B-A3B, 48 layers, 128 experts top-8; GPT-OSS-20B, 24 layers, 32
+experts top-4, bf16; `--layers` for fewer): 16 concurrent requests of 1600 prompt and 600 output
+tokens, 8 rank-32 adapters on attention and all experts, round robin, CUDA graphs on. Per
+repetition (default 3, fresh prompts each, no prefix-cache hits): the prefill time of the 16
+prompts (max_tokens=1), then the 600-token run streamed (`stream_generate`): the output tokens/s
+per request, (600 - 1) / (total - prefill), the proxy of ../shared/gpu/example_bench_offline.py
+whose baseline the issue quotes, and each request's time to first token (p50/p90). Each prefill
 also counts what could stall it (`stall_counts`: allocator retries, cudaMalloc/cudaFree, full
-garbage collections), so a slow one can be told from a slow kernel.
+garbage collections), so a slow one can be told from a slow kernel. Every row carries the
+engine's start-up and its split from vLLM's log (`--log`, bench/e2e/rows.py).
 
 check: greedy tokens on a small Qwen3-MoE with real random weights (transformers, seeded) and
-two adapters, in three batches: both adapters, both beside base-model requests, one beside them.
-Modes: stock vLLM eager (`check-stock`, the reference), the plugin eager (`check-plugin`), and
-CUDA graphs per adapter count (vLLM's specialize_active_lora) with the plugin
-(`check-plugin-graphs`) and without it (`check-stock-graphs`, vLLM 0.26's own batch metadata,
-which drops an adapter beside base requests there: `batch_metadata.fill_kernel_meta`). `compare`
-counts the requests whose first 16 tokens agree with the reference.
+two adapters, in CHECK_BATCHES (adapters alone, beside base-model requests), then the time per
+engine step of a 16 x 128-token decode. Modes: stock vLLM eager (`check-stock`, the reference),
+the plugin eager (`check-plugin`), CUDA graphs per adapter count (vLLM's specialize_active_lora)
+with the plugin (`check-plugin-graphs`) and without it (`check-stock-graphs`, vLLM 0.26's own
+batch metadata, which drops an adapter beside base requests there:
+`batch_metadata.fill_kernel_meta`), and an engine started without LoRA, eager and in graphs
+(`check-base`, `check-base-graphs`), all requests on the base model. `--spec ngram` adds n-gram
+speculative decoding (NGRAM), `--tp` tensor parallelism; the file is named by `check_label`.
+`compare` pairs every run in DIR with its references (`comparisons`): the first 16 tokens of
+every request against stock eager at the same TP, of the base requests against the engine
+without LoRA in the same graph mode (base untouched), of a speculative run against the same run
+without; and the margins at each flip.
 
 The plugin is found through the `vllm.general_plugins` entry point in pyproject.toml: `--install`
 writes a dist-info carrying that entry point into the first PYTHONPATH folder (the repository,
 on PYTHONPATH, provides `loraplex`). The switch is LORAPLEX_ENGINE__MOE_LORA_KERNELS, inherited by
-vLLM's engine processes: 0 for stock, 1 for plugin. Each mode runs in its own process.
+vLLM's engine processes: 0 for stock and base, 1 for plugin. Each mode runs in its own process.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 43's measurements in one GPU session on the 2-GPU kind, one device call per PART, each
-# under 600 s, GPU 0 and GPU 1 running their lists side by side (vLLM in /tmp/site first:
-# ../shared/gpu/README.md). From the repository root:
+# under 600 s, GPU 0 and GPU 1 running their lists side by side. vLLM's pieces p1-p3 must be in
+# /tmp/vchunks (../shared/gpu/README.md); carry .gpu/p4 in the first part's call, which joins
+# them into /tmp/site (its ~30 s count in the part's budget), and .gpu/p6 in d and f's (the
+# server's wheels). From the repository root:
 #   bash bench/e2e/run_session.sh COMMIT PART
 # PART, most important first (seconds: estimates on a cold H200 machine, docs/bench.md):
 #   a  decode, Qwen3 shape base + plugin (3 reps) | GPT-OSS shape base + plugin (3 reps)
@@ -18,13 +20,18 @@
 set -uo pipefail
 commit=$1
 part=$2
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+site=${SITE:-/tmp/site}
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 BUDGET_S=${BUDGET_S:-570}
-work=/tmp/e2e_session/$part
+work=${WORK:-/tmp/e2e_session}/$part
 rm -rf "$work"
 mkdir -p "$work" "$OUT"
 report="$OUT/e2e_session_$part.log"
 t0=$SECONDS
+if [ ! -d "$site/vllm" ]; then
+  bash .gpu/p4/setup-on-device.sh || { echo "no vLLM in $site: carry .gpu/p4" >&2; exit 1; }
+  echo "vLLM set up in $((SECONDS - t0)) s" | tee -a "$report"
+fi
 
 # engine LABEL LIMIT_S CMD...: CMD's output in $work/LABEL.log, killed after LIMIT_S or at the
 # part's budget, whichever comes first; a failed run's last lines go to the report.
@@ -52,7 +59,7 @@ bench() {
   local label=$1 limit=$2
   shift 2
   engine "$label" "$limit" python3 bench/e2e/bench_e2e.py "$@" --commit "$commit" \
-    --out "$work" --install /tmp/site --log "$work/$label.log"
+    --out "$work" --install "$site" --log "$work/$label.log"
 }
 
 # serve LABEL ARGS...: serve_e2e.py with ARGS (its own start timeout within the budget).
@@ -61,7 +68,7 @@ serve() {
   shift
   local left=$((BUDGET_S - (SECONDS - t0) - 20))
   engine "$label" $((left + 20)) python3 -m bench.e2e.serve_e2e "$@" --commit "$commit" \
-    --out "$work" --install /tmp/site --requests 32 --start-timeout "$left"
+    --out "$work" --install "$site" --requests 32 --start-timeout "$left"
 }
 
 serve_deps() {  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
@@ -71,7 +78,7 @@ serve_deps() {  # the server's dependencies the device lacks, from wheels carrie
     dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
     prometheus_client:prometheus_client; do
     python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
-      --no-deps --target /tmp/site .gpu/p6/"${pair#*:}"-*.whl
+      --no-deps --target "$site" .gpu/p6/"${pair#*:}"-*.whl
   done
 }
 
