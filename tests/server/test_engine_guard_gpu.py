@@ -36,14 +36,15 @@ import os
 import random
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.e2e.bench_e2e import RANK, install_entry_point, make_adapter, make_small_model
+from bench.e2e.bench_e2e import install_entry_point, make_small_model
 from bench.e2e.poison_check import copy_adapter
+from bench.e2e.shapes import RANK, SMALL_CHECK, make_adapter
 from loraplex.adapters_registry.base import ServableAdapter
 from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 from loraplex.server.engine.finite_guard import FiniteGuard, OutputNotFinite
@@ -86,7 +87,7 @@ def model_and_adapters(kind: str, root: Path) -> tuple[Path, dict[str, Path]]:
     good = root / f"{kind}_good"
     experts = 32 if kind == "moe" else 0
     (make_small_model if kind == "moe" else make_dense_model)(model)
-    make_adapter(good, 4, 512, 256, experts, 512, 128, seed=10, scale=0.05)
+    make_adapter(good, replace(SMALL_CHECK, experts=experts), seed=10, scale=0.05)
     adapters = {"good": good}
     for name, value in POISON.items():
         adapters[name] = copy_adapter(good, root / f"{kind}_{name}", value)
