@@ -147,7 +147,21 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"CHECK {label}: {entry['agree']}/{entry['requests']} agree "
                              f"({entry['against']}, {entry['which']}); flips "
                              f"{json.dumps(entry['differences'])}")  # fmt: skip
+            timings = r.get("step_timing", {})
+            for label, timing in timings.items():
+                base = timings.get(base_label(label))
+                ratio = timing["ms_per_step"] / base["ms_per_step"] if base else None
+                lines.append(f"STEP {label}: {timing['ms_per_step']:.2f} ms/step "
+                             f"(x{_fmt(ratio)} of {base_label(label)}), "
+                             f"{timing['tokens_per_step']:.2f} tokens/step")  # fmt: skip
     return lines
+
+
+def base_label(label: str) -> str:
+    """The check run without LoRA that a run's step time compares with: same graph mode,
+    tensor-parallel size and speculation."""
+    kind = label.split("-")[1]  # check-<kind>[-graphs][-tpN][-ngram]
+    return "check-base" + label.removeprefix(f"check-{kind}")
 
 
 def median(values: list[float]) -> float | None:

@@ -7,8 +7,8 @@
 #   bash bench/e2e/run_session.sh COMMIT PART
 # PART, most important first (seconds: estimates on a cold H200 machine, docs/bench.md):
 #   a  decode, Qwen3 shape base + plugin (3 reps) | GPT-OSS shape base + plugin (3 reps)
-#   b  decode, stock on both shapes; then the check (small real-weight MoE): eager on GPU 0,
-#      CUDA graphs on GPU 1, each beside an engine started without LoRA (base untouched)
+#   b  the check (small real-weight MoE), eager on GPU 0 and CUDA graphs on GPU 1, each beside
+#      an engine started without LoRA (base untouched); then decode, stock on both shapes
 #   c  n-gram speculative decoding with and without the plugin (graphs); then TP=2 check
 #   d  through the server, Qwen3 shape: loraplex + plugin | vLLM's own server, base and stock
 #   e  decode at TP=2, Qwen3 shape, base + plugin (2 reps)
@@ -95,13 +95,13 @@ case "$part" in
     wait ;;
   b)
     (export CUDA_VISIBLE_DEVICES=0
-      bench stock-qwen 320 stock "${qwen[@]}"
-      for m in check-stock check-base check-plugin; do bench "$m" 120 "$m"; done) &
+      for m in check-base check-plugin check-stock; do bench "$m" 120 "$m"; done
+      bench stock-qwen 330 stock "${qwen[@]}") &
     (export CUDA_VISIBLE_DEVICES=1
-      bench stock-oss 300 stock "${oss[@]}"
       for m in check-base-graphs check-plugin-graphs check-stock-graphs; do
         bench "$m" 150 "$m"
-      done) &
+      done
+      bench stock-oss 300 stock "${oss[@]}") &
     wait ;;
   c)
     (export CUDA_VISIBLE_DEVICES=0

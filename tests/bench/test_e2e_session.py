@@ -18,7 +18,14 @@ from bench.e2e.bench_e2e import (
     comparisons,
     stream_generate,
 )
-from bench.e2e.rows import collect, offline_table, server_table, startup_split, summary
+from bench.e2e.rows import (
+    base_label,
+    collect,
+    offline_table,
+    server_table,
+    startup_split,
+    summary,
+)
 from bench.e2e.serve_e2e import TINY, vllm_server_args
 from bench.e2e.shapes import (
     GPT_OSS_20B,
@@ -211,6 +218,18 @@ def test_compare_reads_the_runs_in_a_folder(tmp_path: Path) -> None:
     assert entry["requests"] == sum(b.count(None) for b in CHECK_BATCHES.values())
     assert entry["agree"] == entry["requests"]
     assert result["step_timing"]["check-plugin"] == {"ms_per_step": 2.0}
+
+
+def test_step_times_compare_with_the_engine_without_lora_in_the_same_setting() -> None:
+    assert base_label("check-plugin-graphs-tp2-ngram") == "check-base-graphs-tp2-ngram"
+    assert base_label("check-stock") == "check-base"
+    timing = {"ms_per_step": 3.0, "tokens_per_step": 20.0}
+    row = {"kind": "check-compare", "agreement": {},
+           "step_timing": {"check-plugin-graphs-ngram": timing,
+                           "check-base-graphs-ngram": {**timing, "ms_per_step": 2.0}}}  # fmt: skip
+    assert "STEP check-plugin-graphs-ngram: 3.00 ms/step (x1.500 of check-base-graphs-ngram)" in (
+        "\n".join(summary([row]))
+    )
 
 
 LOG = """\
