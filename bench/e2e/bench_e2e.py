@@ -58,7 +58,15 @@ from typing import Any
 
 from bench.e2e import poison_check
 from bench.e2e.rows import log_since, median, startup_split
-from bench.e2e.shapes import MODELS, RANK, SMALL_CHECK, dims, make_adapter, make_model
+from bench.e2e.shapes import (
+    MODELS,
+    RANK,
+    SMALL_CHECK,
+    build_once,
+    dims,
+    make_adapter,
+    make_model,
+)
 from bench.e2e.traces import summarize_traces
 from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
@@ -380,19 +388,21 @@ def profile_host(prefill: Callable[[], Any], samples: Path, runs: int = 3) -> di
 
 def make_small_model(path: Path) -> None:
     """A small Qwen3-MoE with real random weights (seeded), saved by transformers."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    if (path / "config.json").exists():
-        return
-    torch.manual_seed(0)
-    shape: dict[str, Any] = dict(
-        vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        num_experts=32, num_experts_per_tok=4, max_position_embeddings=2048,
-    )  # fmt: skip
-    model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape))
-    model.to(torch.bfloat16).save_pretrained(path)
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        torch.manual_seed(0)
+        shape: dict[str, Any] = dict(
+            vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+            num_experts=32, num_experts_per_tok=4, max_position_embeddings=2048,
+        )  # fmt: skip
+        model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape))
+        model.to(torch.bfloat16).save_pretrained(folder)
+
+    build_once(path, "config.json", build)
 
 
 # Batch name -> the adapter of each request (None: the base model). Request i of a batch takes

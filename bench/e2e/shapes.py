@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,8 +106,25 @@ def make_model(
     """config.json of `model_config(...)` in `path`; returns the config."""
     cfg = model_config(model, layers, overrides)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
+    part = path / f".config.json.{os.getpid()}"
+    part.write_text(json.dumps(cfg))
+    part.replace(path / "config.json")
     return cfg
+
+
+def build_once(path: Path, marker: str, build: Callable[[Path], None]) -> None:
+    """Unless `path/marker` exists, `build` a folder beside `path` and move it there whole:
+    two processes making the same files at once (a session's two GPUs) never read each other's
+    half-written ones. The second to finish drops its copy."""
+    if (path / marker).exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    build(part)
+    try:
+        part.rename(path)  # replaces an empty folder; a full one (the other's) stays
+    except OSError:
+        shutil.rmtree(part, ignore_errors=True)
 
 
 def adapter_shapes(d: Dims) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
@@ -143,21 +164,22 @@ def adapter_config(d: Dims) -> dict[str, Any]:
 
 def make_adapter(path: Path, d: Dims, seed: int, scale: float = 0.01) -> None:
     """A random adapter of adapter_shapes(d) (bf16), unless `path` holds one already."""
-    import torch
-    from safetensors.torch import save_file
 
-    if (path / "adapter_model.safetensors").exists():
-        return
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: dry runs of the scripts
-    gen = torch.Generator(device=device).manual_seed(seed)
-    tensors = {}
-    for name, (a, b) in adapter_shapes(d).items():
-        for factor, shape in (("lora_A", a), ("lora_B", b)):
-            t = torch.randn(*shape, device=device, generator=gen) * scale
-            tensors[f"{name}.{factor}.weight"] = t.bfloat16().cpu()
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    (path / "adapter_config.json").write_text(json.dumps(adapter_config(d)))
+    def build(folder: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: dry runs of the scripts
+        gen = torch.Generator(device=device).manual_seed(seed)
+        tensors = {}
+        for name, (a, b) in adapter_shapes(d).items():
+            for factor, shape in (("lora_A", a), ("lora_B", b)):
+                t = torch.randn(*shape, device=device, generator=gen) * scale
+                tensors[f"{name}.{factor}.weight"] = t.bfloat16().cpu()
+        save_file(tensors, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps(adapter_config(d)))
+
+    build_once(path, "adapter_model.safetensors", build)
 
 
 def checkpoint_shapes(cfg: dict[str, Any]) -> dict[str, list[int]]:

@@ -33,6 +33,7 @@ from bench.e2e.shapes import (
     SMALL_CHECK,
     adapter_config,
     adapter_shapes,
+    build_once,
     dims,
     make_adapter,
     make_model,
@@ -297,3 +298,21 @@ def test_vllm_server_gets_the_same_engine_and_lora_modules(tmp_path: Path) -> No
     assert stock[stock.index("--max-lora-rank") + 1] == str(RANK)
     modules = stock[stock.index("--lora-modules") + 1 :]
     assert modules[0] == f"ad0={tmp_path / 'ads' / 'ad0'}" and len(modules) == 8
+
+
+def test_build_once_moves_a_whole_folder_in_and_drops_a_late_copy(tmp_path: Path) -> None:
+    target = tmp_path / "model"
+    seen: list[Path] = []
+
+    def build(folder: Path) -> None:
+        assert folder != target and not (target / "w").exists()
+        seen.append(folder)
+        (folder / "w").write_text(str(len(seen)))
+        if len(seen) == 1:  # another process finishes first, while this one builds
+            build_once(target, "w", build)
+
+    build_once(target, "w", build)
+    assert (target / "w").read_text() == "2"  # the first to finish stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no half-built copies left
+    build_once(target, "w", build)
+    assert len(seen) == 2  # built already: nothing to do
