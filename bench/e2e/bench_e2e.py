@@ -274,9 +274,10 @@ def stall_counts() -> dict[str, int]:
 
 
 class GpuClocks:
-    """Median SM clock (MHz) and board power (W) of GPU 0 while the block runs, sampled by NVML
-    every interval_s on a thread: kernels bound by latency rather than bytes slow down with the
-    clock, and a prefill can reach the power cap, so a speed is read beside the clock it ran at."""
+    """Median SM clock (MHz) and board power (W) of this process's first GPU (nvml_index) while
+    the block runs, sampled by NVML every interval_s on a thread: kernels bound by latency
+    rather than bytes slow down with the clock, and a prefill can reach the power cap, so a
+    speed is read beside the clock it ran at."""
 
     def __init__(self, interval_s: float = 0.1) -> None:
         self.interval_s = interval_s
@@ -293,7 +294,7 @@ class GpuClocks:
             print("GpuClocks: no pynvml, reps carry no clock", flush=True)
             return self
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index())
 
         def sample() -> None:
             while not self.done.wait(self.interval_s):
@@ -317,6 +318,13 @@ class GpuClocks:
             return {}
         return {"sm_clock_mhz": statistics.median(c for c, _ in self.samples),
                 "power_w": round(statistics.median(w for _, w in self.samples), 1)}  # fmt: skip
+
+
+def nvml_index() -> int:
+    """NVML's index of this process's first GPU: NVML counts every GPU of the machine, whatever
+    CUDA_VISIBLE_DEVICES says (a session runs one list of modes on each of two GPUs)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
 
 
 SAMPLED_PREFILLS = 8  # prefills py-spy samples, unprofiled: ~4 s at the ~0.5 s of one
