@@ -112,7 +112,11 @@ def define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) ->
     prefill and at decode (docs/kernels.md, "Dense LoRA beside the GEMM")."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
-    from loraplex.kernels.ops.lora_dense.op import UnsupportedDenseCall, lora_dense
+    from loraplex.kernels.ops.lora_dense.op import (
+        UnsupportedDenseCall,
+        lora_dense,
+        lora_dense_fused,
+    )
     from loraplex.kernels.ops.lora_dense.tiled import lora_dense_tiled
 
     def op(
@@ -134,7 +138,8 @@ def define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) ->
             return
         try:
             if REGIMES.dense_gemv(x.shape[0]):
-                lora_dense(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
+                decode = lora_dense_fused if REGIMES.dense_fused else lora_dense
+                decode(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
             else:
                 lora_dense_tiled(
                     y, x, lora_a, lora_b, scale, token_indices_sorted_by_lora_ids,

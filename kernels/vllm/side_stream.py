@@ -27,7 +27,8 @@ latency, so they overlap well: on the H200, 16 requests decoding with 8 adapters
 and 64.91 to 67.04 tok/s per request (base 75.72; bench_e2e.py, one machine, medians of 3).
 Kernels that only the side stream launches at decode sizes (the down LoRA into its delta,
 `moe_sum_with_delta`) compile during that capture, at startup, not while serving.
-Run eagerly only at prefill sizes (`REGIMES.side_stream_eager`). Never with an expert map or on
+Run eagerly only at prefill sizes, and in graphs unless the moe_inline decode variant keeps
+decode sizes on the main stream (`REGIMES.side_stream`). Never with an expert map or on
 a step without adapters (`fused_experts` marks nothing ready then), vLLM's own dual-stream
 option or fully sharded LoRA; those keep vLLM's order. Without CUDA (the CPU tests) the same
 steps run in order on the current stream.
@@ -85,11 +86,11 @@ def _wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
 
 
 def _ready_event(t: torch.Tensor, pairs: int) -> tuple[bool, torch.cuda.Event | None]:
-    """(whether work on `pairs` (token, expert) pairs may go beside: while a CUDA graph is being
-    captured, or run eagerly at prefill sizes; an event on the main stream after the work
-    queued so far, None without CUDA)."""
+    """(whether work on `pairs` (token, expert) pairs may go beside (`REGIMES.side_stream`: while
+    a CUDA graph is being captured, or run eagerly at prefill sizes); an event on the main stream
+    after the work queued so far, None without CUDA)."""
     capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not REGIMES.side_stream_eager(pairs) and not capturing:
+    if not REGIMES.side_stream(pairs, capturing):
         return False, None
     if not t.is_cuda:
         return True, None

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from loraplex.kernels.dispatch import REGIMES, Regimes
+from loraplex.kernels.dispatch import DECODE_VARIANT_ENV, REGIMES, Regimes, regimes_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +111,35 @@ def test_the_three_prefill_boundaries_move_together() -> None:
     moved = dataclasses.replace(REGIMES, prefill_min_pairs=4096)
     regime = {n: forms(point("qwen3", n, 64, None), moved)[4:] for n in (511, 512, 513)}
     assert regime == {511: REGIME["decode"], 512: REGIME["first prefill"], 513: REGIME["prefill"]}
+
+
+def test_decode_variants_default_to_the_served_forms() -> None:
+    assert regimes_for({}) == Regimes()
+    assert regimes_for({DECODE_VARIANT_ENV: ""}) == Regimes()
+    assert not Regimes().dense_fused
+    assert Regimes().side_stream(16 * 8, capturing=True)
+    assert not Regimes().side_stream(16 * 8, capturing=False)
+
+
+@pytest.mark.parametrize(
+    ("value", "dense_fused", "in_graphs"),
+    [
+        ("dense_fused", True, True),
+        ("moe_inline", False, False),
+        (" dense_fused, moe_inline ", True, False),
+    ],
+)
+def test_decode_variants_from_the_environment(
+    value: str, dense_fused: bool, in_graphs: bool
+) -> None:
+    regimes = regimes_for({DECODE_VARIANT_ENV: value})
+    assert (regimes.dense_fused, regimes.side_stream_in_graphs) == (dense_fused, in_graphs)
+    # moe_inline: decode sizes in graphs stay on the main stream; prefill sizes still go beside.
+    assert regimes.side_stream(16 * 8, capturing=True) == in_graphs
+    assert regimes.side_stream(regimes.prefill_min_pairs, capturing=False)
+    assert dataclasses.replace(regimes, dense_fused=False, side_stream_in_graphs=True) == Regimes()
+
+
+def test_an_unknown_decode_variant_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown \['dense_fuse'\]; known: \['dense_fused'"):
+        regimes_for({DECODE_VARIANT_ENV: "dense_fuse"})

@@ -1,4 +1,5 @@
-"""Dense LoRA for decode batches: vLLM 0.26's `add_lora_linear` semantics in two launches.
+"""Dense LoRA for decode batches: vLLM 0.26's `add_lora_linear` semantics in two launches
+(`lora_dense`), or in one (`lora_dense_fused`: the dense_fused decode variant, under A/B).
 
 Spec (`reference.lora_dense_reference`), with T tokens, S <= 3 slices of widths N_s, rank R,
 slot(t) = token_lora_mapping[t] (-1: no adapter):
@@ -15,11 +16,13 @@ left untouched. Decode-sized batches only: the plugin leaves larger ones to vLLM
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import triton
 
+from loraplex.kernels.ops.lora_dense import fused_kernels as ft
 from loraplex.kernels.ops.lora_dense import kernels as kt
 
 MAX_SLICES = 3
@@ -111,6 +114,53 @@ def launch_shape(tokens: int, k: int, slices: int, widest: int, sms: int) -> tup
     return split_k, WIDE_BLOCK_N if widest >= WIDE_SLICE else BLOCK_N
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What both decode forms launch with: the call's shape, its launch shape and the padded
+    slices."""
+
+    tokens: int
+    k: int
+    slices: int
+    rank: int
+    block_r: int
+    block_k: int
+    split_k: int
+    block_n: int
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    widths: list[int]
+    use_pdl: bool
+
+    @property
+    def pdl(self) -> dict[str, bool]:
+        return {"launch_pdl": True} if self.use_pdl else {}
+
+
+def _plan(
+    y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+    split_k: int | None, block_n: int | None,
+) -> _Launch | None:  # fmt: skip
+    shape = call_shape(y, x, lora_a, lora_b)
+    if shape is None:
+        return None
+    num_tokens, k, slices, rank, block_r = shape
+    on_cuda = x.device.type == "cuda"
+    sms = _sm_count(x.device.index or 0) if on_cuda else 4
+    auto_split, auto_n = launch_shape(num_tokens, k, slices, max(t.shape[2] for t in lora_b), sms)
+    a, b, widths = padded_slices(lora_a, lora_b)
+    return _Launch(
+        num_tokens, k, slices, rank, block_r, 128 if k >= 128 else triton.next_power_of_2(k),
+        split_k or auto_split, block_n or auto_n, a, b, widths,
+        on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9,
+    )  # fmt: skip
+
+
+def _workspace(plan: _Launch, x: torch.Tensor) -> torch.Tensor:
+    shape = (plan.slices, plan.tokens, plan.split_k, plan.block_r)
+    return torch.empty(shape, dtype=torch.float32, device=x.device)
+
+
 def lora_dense(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -123,28 +173,65 @@ def lora_dense(
     block_n: int | None = None,
 ) -> None:
     """y (+)= LoRA delta per the module docstring; split_k and block_n None: `launch_shape`'s."""
-    shape = call_shape(y, x, lora_a, lora_b)
-    if shape is None:
+    plan = _plan(y, x, lora_a, lora_b, split_k, block_n)
+    if plan is None:
         return
-    num_tokens, k, slices, rank, block_r = shape
-    block_k = 128 if k >= 128 else triton.next_power_of_2(k)
-    on_cuda = x.device.type == "cuda"
-    sms = _sm_count(x.device.index or 0) if on_cuda else 4
-    auto_split, auto_n = launch_shape(num_tokens, k, slices, max(t.shape[2] for t in lora_b), sms)
-    split_k = split_k or auto_split
-    block_n = block_n or auto_n
-    ws = torch.empty((slices, num_tokens, split_k, block_r), dtype=torch.float32, device=x.device)
-    a, b, widths = padded_slices(lora_a, lora_b)
-    use_pdl = on_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
-    pdl = {"launch_pdl": True} if use_pdl else {}
-    kt.lora_dense_shrink_kernel[(num_tokens, slices, split_k)](
-        x, *a, ws, token_lora_mapping, scale, k, num_tokens, lora_a[0].shape[0],
+    ws = _workspace(plan, x)
+    kt.lora_dense_shrink_kernel[(plan.tokens, plan.slices, plan.split_k)](
+        x, *plan.a, ws, token_lora_mapping, scale, plan.k, plan.tokens, lora_a[0].shape[0],
         x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
-        BLOCK_R=block_r, RANK=rank, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl, **pdl,
+        BLOCK_R=plan.block_r, RANK=plan.rank, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
+        USE_PDL=plan.use_pdl, **plan.pdl,
     )  # fmt: skip
-    kt.lora_dense_expand_kernel[(num_tokens, triton.cdiv(max(widths), block_n), slices)](
-        ws, *b, y, token_lora_mapping, *widths, num_tokens, lora_b[0].shape[0],
-        y.stride(0), *(t.stride(0) for t in b), lora_b[0].stride(2),
-        BLOCK_R=block_r, RANK=rank, BLOCK_N=block_n, SPLIT_K=split_k, ADD_INPUTS=add_inputs,
-        USE_PDL=use_pdl, **pdl,
+    grid = (plan.tokens, triton.cdiv(max(plan.widths), plan.block_n), plan.slices)
+    kt.lora_dense_expand_kernel[grid](
+        ws, *plan.b, y, token_lora_mapping, *plan.widths, plan.tokens, lora_b[0].shape[0],
+        y.stride(0), *(t.stride(0) for t in plan.b), lora_b[0].stride(2),
+        BLOCK_R=plan.block_r, RANK=plan.rank, BLOCK_N=plan.block_n, SPLIT_K=plan.split_k,
+        ADD_INPUTS=add_inputs, USE_PDL=plan.use_pdl, **plan.pdl,
+    )  # fmt: skip
+
+
+_SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def sync_cells(device: torch.device, cells: int) -> torch.Tensor:
+    """int32 zeros, 2 x `cells` of them, for `lora_dense_fused`'s counters on `device`: one
+    buffer per size, kept for the process (a CUDA graph captured with one replays its address;
+    each launch leaves it zeroed)."""
+    key = (device.type, device.index, cells)
+    if key not in _SYNC:
+        _SYNC[key] = torch.zeros(2 * cells, dtype=torch.int32, device=device)
+    return _SYNC[key]
+
+
+def lora_dense_fused(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    token_lora_mapping: torch.Tensor,
+    scale: float = 1.0,
+    add_inputs: bool = True,
+    split_k: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """`lora_dense` in one launch (`fused_kernels`): the same numbers, bit for bit (same sums in
+    the same order), with each expand program waiting only for its own token and slice's shrinks.
+    Not safe on two streams at once: calls on one device share the counters (the dense LoRA runs
+    on the main stream only)."""
+    plan = _plan(y, x, lora_a, lora_b, split_k, block_n)
+    if plan is None:
+        return
+    ws = _workspace(plan, x)
+    sync = sync_cells(x.device, plan.slices * plan.tokens)
+    n_tiles = triton.cdiv(max(plan.widths), plan.block_n)
+    grid = (plan.tokens * plan.slices * (plan.split_k + n_tiles),)
+    ft.lora_dense_fused_kernel[grid](
+        x, *plan.a, *plan.b, y, ws, sync, token_lora_mapping, scale, plan.k, *plan.widths,
+        plan.tokens, n_tiles, lora_a[0].shape[0], x.stride(0), lora_a[0].stride(0),
+        lora_a[0].stride(2), y.stride(0), *(t.stride(0) for t in plan.b), lora_b[0].stride(2),
+        SLICES=plan.slices, BLOCK_R=plan.block_r, RANK=plan.rank, BLOCK_K=plan.block_k,
+        BLOCK_N=plan.block_n, SPLIT_K=plan.split_k, ADD_INPUTS=add_inputs,
+        USE_PDL=plan.use_pdl, **plan.pdl,
     )  # fmt: skip

@@ -432,6 +432,26 @@ def test_in_a_cuda_graph_both_loras_run_on_a_second_stream_at_any_size(
     assert applied.sum_error < 2e-2
 
 
+@pytest.mark.gpu
+def test_in_a_cuda_graph_the_moe_inline_variant_keeps_both_loras_in_order(
+    classes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LORAPLEX_DECODE_VARIANT=moe_inline: captured as a decode batch, both LoRAs stay on the
+    capture stream in vLLM's order (the down LoRA added into the GEMM's buffer, vLLM's moe_sum),
+    the gate/up expand still fused into SiLU-and-mul, the numbers the spec's."""
+    inline = dataclasses.replace(REGIMES, side_stream_in_graphs=False)
+    monkeypatch.setattr(side_stream, "REGIMES", inline)
+    _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, seed=3)  # compiles
+    applied = _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, graph=True)
+    torch.cuda.synchronize()
+    assert _down_ran_in_order(applied)
+    experts = applied.experts
+    assert experts.w13_streams == experts.down_streams == [experts.main_stream]
+    assert experts.activations == []  # SiLU: fused
+    assert applied.act_error < 2e-2  # bf16 operands
+    assert applied.sum_error < 2e-2
+
+
 def _spy_on_gate_up_side(experts_cls: type[StockExperts]) -> list[bool]:
     """Per activation call from now on: whether a gate/up LoRA on the side awaited its join."""
     seen: list[bool] = []

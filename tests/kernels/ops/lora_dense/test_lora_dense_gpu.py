@@ -73,3 +73,48 @@ def test_expand_reads_y_only_after_the_kernel_before() -> None:
     lora_dense(settled, x, a, b, tlm)
     torch.cuda.synchronize()
     assert torch.equal(racing, settled)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_one_launch_form_equals_two_launches_in_graphs_and_after_a_slow_writer(
+    tokens: int,
+) -> None:
+    """`lora_dense_fused` (LORAPLEX_DECODE_VARIANT=dense_fused) in bf16 at Qwen3 qkv and o
+    shapes: bit for bit the two-launch form's output, on a y written by the kernel just before
+    (its PDL wait), and in a CUDA graph replayed 20 times (its counters back at zero after
+    each launch)."""
+    from loraplex.kernels.ops.lora_dense.op import lora_dense, lora_dense_fused, sync_cells
+    from tests.support.moe_lora_cases import slowly_written
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    slots = 8
+    for widths, k in (([4096, 512, 512], 2048), ([2048], 4096)):
+        x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
+        a = [(torch.randn(slots, 1, 32, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+             for _ in widths]  # fmt: skip
+        b = [(torch.randn(slots, 1, n, 32, device="cuda", generator=gen) / 8).bfloat16()
+             for n in widths]  # fmt: skip
+        tlm = torch.arange(tokens, device="cuda", dtype=torch.int32) % (slots + 1) - 1
+        base = torch.randn(tokens, sum(widths), device="cuda", generator=gen).bfloat16()
+        want = base.clone()
+        lora_dense(want, x, a, b, tlm)
+        racing, rewrite = slowly_written(base)
+        torch.cuda.synchronize()
+        rewrite()
+        lora_dense_fused(racing, x, a, b, tlm)
+        torch.cuda.synchronize()
+        assert torch.equal(racing, want)
+        y = base.clone()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            lora_dense_fused(y, x, a, b, tlm)  # compiles outside the capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                lora_dense_fused(y, x, a, b, tlm)
+        for _ in range(20):
+            y.copy_(base)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, want)
+        assert not sync_cells(x.device, len(widths) * tokens).any()
