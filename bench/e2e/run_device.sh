@@ -3,7 +3,7 @@
 #   bash bench/e2e/run_device.sh COMMIT MODE...
 #   MODE: check | poison | poison-{stock,plugin,stock-graphs,plugin-graphs} | base | stock | plugin
 #         | prefill-base | prefill-stock | prefill-plugin | host-base | host-plugin | serve-plugin
-#         | serve-stock
+#         | serve-stock | variant-NAME[+NAME]
 # check: greedy tokens on a small real-weight MoE, stock vLLM eager against the plugin eager and
 # CUDA graphs per adapter count with and without the plugin (bench_e2e.py);
 # poison: on that model, whether the requests beside a NaN copy of an adapter, and after it,
@@ -17,6 +17,8 @@
 # loraplex's HTTP server (serve_e2e.py; carry .gpu/p6, the server's dependency wheels:
 # pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
 # -d .gpu/p6 and the modules the loop below names).
+# variant-NAME: the plugin mode with LORAPLEX_DECODE_VARIANT=NAME (kernels/dispatch.py; several
+# joined by +), its rows with a `variant` field in $OUT/variant-NAME (one plugin row each).
 # JSON rows and one log per mode in $OUT.
 set -uo pipefail
 commit=$1
@@ -64,6 +66,10 @@ for mode in "$@"; do
     prefill-*)
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \
         --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
+    variant-*)
+      LORAPLEX_DECODE_VARIANT=$(echo "${mode#variant-}" | tr + ,) timeout 480 python3 \
+        bench/e2e/bench_e2e.py plugin --profile decode --commit "$commit" --out "$OUT/$mode" \
+        --install /tmp/site >"$log" 2>&1 ;;
     *)
       timeout 480 python3 bench/e2e/bench_e2e.py "$mode" --profile decode --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.e2e.traces import QUEUED_IN_TIME, summarize_traces
+from bench.e2e.traces import QUEUED_IN_TIME, kernel_group, summarize_traces
 
 
 def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
@@ -94,3 +94,12 @@ def test_the_main_stream_is_split_from_the_side_stream_and_its_wait_on_it(tmp_pa
         "main_groups": {"moe_base": 100.0, "moe_lora_ours": 10.0},
         "other_streams": 1, "other_groups": {"moe_lora_ours": 75.0},
     }  # fmt: skip
+
+
+def test_our_gemv_and_one_launch_kernels_count_as_ours() -> None:
+    """The MoE-LoRA GEMV kernels were counted as vLLM's dense LoRA (their names hold _lora_)."""
+    assert kernel_group("moe_lora_gemv_shrink_kernel") == "moe_lora_ours"
+    assert kernel_group("moe_lora_gemv_expand_kernel") == "moe_lora_ours"
+    assert kernel_group("lora_dense_fused_kernel") == "dense_lora_ours"
+    assert kernel_group("lora_dense_tiled_shrink_kernel") == "dense_lora_ours"
+    assert kernel_group("_lora_shrink_kernel") == "dense_lora"
