@@ -638,8 +638,9 @@ def main() -> None:
     # runs that differ only there can be told apart.
     if lora_env := {k: v for k, v in os.environ.items() if k.startswith("VLLM_LORA_")}:
         row["vllm_lora_env"] = lora_env
-    # The plugin's decode variant under A/B (run_device.sh variant-NAME), inherited likewise.
-    if variant := os.environ.get(DECODE_VARIANT_ENV):
+    # The plugin's decode variant under A/B (run_session.sh part v), inherited likewise.
+    variant = os.environ.get(DECODE_VARIANT_ENV, "")
+    if variant:
         row["variant"] = variant
     # The engine core in this process (host profiles, or set by hand to see whether requests
     # reaching a separate engine core one by one split a prefill into more steps).
@@ -647,6 +648,7 @@ def main() -> None:
         row["engine_in_process"] = True
     tp = f"-tp{ns.tp}" if ns.tp > 1 else ""
     name = label if model == "check" else f"{ns.mode}-{model}{tp}"
+    name += "".join(f"-{part.strip()}" for part in variant.split(",") if part.strip())
     (ns.out / f"e2e_{name}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 

@@ -85,7 +85,8 @@ def offline_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in offline:
         b = base.get(_key(r))
         table.append({
-            "model": r.get("model"), "mode": r["mode"], "tp": r.get("tp", 1),
+            "model": r.get("model"), "tp": r.get("tp", 1),
+            "mode": f"{r['mode']}[{r['variant']}]" if r.get("variant") else r["mode"],
             "otps": r["otps_per_req_median"],
             "vs_base": r["otps_per_req_median"] / b["otps_per_req_median"] if b else None,
             "prefill_vs_base": r["prefill_s_median"] / b["prefill_s_median"] if b else None,

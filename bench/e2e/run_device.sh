@@ -18,7 +18,7 @@
 # pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
 # -d .gpu/p6 and the modules the loop below names).
 # variant-NAME: the plugin mode with LORAPLEX_DECODE_VARIANT=NAME (kernels/dispatch.py; several
-# joined by +), its rows with a `variant` field in $OUT/variant-NAME (one plugin row each).
+# joined by +), its row with a `variant` field (run_session.sh part v runs the A/B).
 # JSON rows and one log per mode in $OUT.
 set -uo pipefail
 commit=$1
@@ -67,8 +67,9 @@ for mode in "$@"; do
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \
         --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
     variant-*)
+      log="$OUT/e2e_${mode//[^A-Za-z0-9_-]/-}.log"
       LORAPLEX_DECODE_VARIANT=$(echo "${mode#variant-}" | tr + ,) timeout 480 python3 \
-        bench/e2e/bench_e2e.py plugin --profile decode --commit "$commit" --out "$OUT/$mode" \
+        bench/e2e/bench_e2e.py plugin --profile decode --commit "$commit" --out "$OUT" \
         --install /tmp/site >"$log" 2>&1 ;;
     *)
       timeout 480 python3 bench/e2e/bench_e2e.py "$mode" --profile decode --commit "$commit" \

@@ -13,6 +13,8 @@
 #   d  through the server, Qwen3 shape: loraplex + plugin | vLLM's own server, base and stock
 #   e  decode at TP=2, Qwen3 shape, base + plugin (2 reps)
 #   f  through the server, GPT-OSS shape (as d)
+#   v  decode variants under A/B (LORAPLEX_DECODE_VARIANT, docs/kernels.md), Qwen3 shape, 3 reps:
+#      plugin, then both variants on GPU 0 | each variant alone on GPU 1 (base: part a's row)
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
 # a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
@@ -128,8 +130,19 @@ case "$part" in
     export CUDA_VISIBLE_DEVICES=0,1
     bench base-qwen-tp2 280 base "${qwen[@]}" --tp 2 --reps 2
     bench plugin-qwen-tp2 290 plugin "${qwen[@]}" --tp 2 --reps 2 ;;
+  v)
+    (export CUDA_VISIBLE_DEVICES=0
+      bench plugin-qwen 300 plugin "${qwen[@]}"
+      (export LORAPLEX_DECODE_VARIANT=dense_fused,moe_inline
+        bench plugin-qwen-both 260 plugin "${qwen[@]}")) &
+    (export CUDA_VISIBLE_DEVICES=1
+      (export LORAPLEX_DECODE_VARIANT=moe_inline
+        bench plugin-qwen-moe_inline 300 plugin "${qwen[@]}")
+      (export LORAPLEX_DECODE_VARIANT=dense_fused
+        bench plugin-qwen-dense_fused 260 plugin "${qwen[@]}")) &
+    wait ;;
   *)
-    echo "unknown part $part (a b c d e f)" >&2
+    echo "unknown part $part (a b c d e f v)" >&2
     exit 2 ;;
 esac
 

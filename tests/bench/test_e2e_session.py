@@ -269,6 +269,15 @@ def test_offline_ratios_are_per_model() -> None:
     assert any("OFFLINE gpt-oss-20b plugin tp1: 90.000" in line for line in summary(rows))
 
 
+def test_a_decode_variant_is_its_own_row_over_the_same_base() -> None:
+    both = {**offline("plugin", "qwen3-30b-a3b", 69.0, 0.44), "variant": "dense_fused,moe_inline"}
+    rows = [offline("base", "qwen3-30b-a3b", 76.0, 0.4),
+            offline("plugin", "qwen3-30b-a3b", 66.0, 0.44), both]  # fmt: skip
+    table = {t["mode"]: t for t in offline_table(rows)}
+    assert table["plugin"]["vs_base"] == pytest.approx(66 / 76)
+    assert table["plugin[dense_fused,moe_inline]"]["vs_base"] == pytest.approx(69 / 76)
+
+
 def test_server_ratios_are_over_vllms_own_servers() -> None:
     def served(server: str, requests: str, tok_s: float, ttft: float) -> dict[str, Any]:
         return {"server": server, "requests": requests, "output_tok_s": tok_s,
