@@ -135,7 +135,8 @@ case "$part" in
       bench plugin-qwen 300 plugin "${qwen[@]}"
       (export LORAPLEX_DECODE_VARIANT=dense_fused,moe_inline
         bench plugin-qwen-both 260 plugin "${qwen[@]}")) &
-    (export CUDA_VISIBLE_DEVICES=1
+    # GPU 1 compiles into a cache of its own: both GPUs compile the same config at once.
+    (export CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=/tmp/vllm_cache_gpu1
       (export LORAPLEX_DECODE_VARIANT=moe_inline
         bench plugin-qwen-moe_inline 300 plugin "${qwen[@]}")
       (export LORAPLEX_DECODE_VARIANT=dense_fused
