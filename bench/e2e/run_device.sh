@@ -3,7 +3,8 @@
 #   bash bench/e2e/run_device.sh COMMIT MODE...
 #   MODE: check | poison | poison-{stock,plugin,stock-graphs,plugin-graphs} | base | stock | plugin
 #         | prefill-base | prefill-stock | prefill-plugin | host-base | host-plugin | serve-plugin
-#         | serve-stock | variant-NAME[+NAME]
+#         | serve-stock | variant-NAME[+NAME] | guard-gpu | guard-gpu-moe | guard-gpu-dense
+#         | wheels
 # check: greedy tokens on a small real-weight MoE, stock vLLM eager against the plugin eager and
 # CUDA graphs per adapter count with and without the plugin (bench_e2e.py);
 # poison: on that model, whether the requests beside a NaN copy of an adapter, and after it,
@@ -19,11 +20,27 @@
 # -d .gpu/p6 and the modules the loop below names).
 # variant-NAME: the plugin mode with LORAPLEX_DECODE_VARIANT=NAME (kernels/dispatch.py; several
 # joined by +), its row with a `variant` field (run_session.sh part v runs the A/B).
+# guard-gpu: tests/server/test_engine_guard_gpu.py (4 engines; -moe or -dense: that model's 2,
+# e.g. one per GPU), which imports the server (carry .gpu/p6 as for serve-*); prints its
+# GUARD-GPU lines (per case and sequence: positions compared, tie flips, differences, the
+# smallest reference margin) and pytest's summary. wheels: only .gpu/p6's install, for modes
+# started side by side on two GPUs afterwards (so that two installs do not race).
 # JSON rows and one log per mode in $OUT.
 set -uo pipefail
 commit=$1
 shift
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+
+server_wheels() {  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
+  for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
+    botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
+    markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
+    dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
+    prometheus_client:prometheus_client; do
+    python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
+      --no-deps --target /tmp/site .gpu/p6/"${pair#*:}"-*.whl
+  done
+}
 for mode in "$@"; do
   log="$OUT/e2e_$mode.log"
   case "$mode" in
@@ -43,17 +60,20 @@ for mode in "$@"; do
       done
       python3 bench/e2e/bench_e2e.py poison-compare --commit "$commit" --out "$OUT" 2>&1 \
         | tee -a "$log" ;;
-    serve-*)  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
-      for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
-        botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
-        markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
-        dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
-        prometheus_client:prometheus_client; do
-        python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
-          --no-deps --target /tmp/site .gpu/p6/"${pair#*:}"-*.whl
-      done
+    wheels)
+      server_wheels
+      continue ;;
+    serve-*)
+      server_wheels
       timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1 ;;
+    guard-gpu|guard-gpu-*)
+      server_wheels
+      select=()
+      [ "$mode" != guard-gpu ] && select=(-k "${mode#guard-gpu-}")
+      timeout 560 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu \
+        ${select[@]+"${select[@]}"} tests/server/test_engine_guard_gpu.py >"$log" 2>&1
+      grep -E "^GUARD-GPU|passed|failed|[0-9]+ error" "$log" | cut -c1-300 | tail -70 ;;
     host-*)  # py-spy's wheel carried in .gpu/p5 (the device has no network)
       [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps \
         --target /tmp/pyspy .gpu/p5/py_spy-*.whl

@@ -50,6 +50,10 @@ class SlotProbe:
             slots.append({"id": lora_id, "nonzero": nonzero, "non_finite": non_finite})
         return slots
 
+    def lora_slot_ids(self) -> list[int | None]:
+        """The adapter id in each slot of the worker's LoRAModelManager (None: free)."""
+        return list(self.model_runner.lora_manager._adapter_manager.lora_index_to_id)
+
     def slot_zeroing_installed(self) -> bool:
         """Whether this process's LoRAModelManager carries lora_slot_hygiene's patch."""
         from vllm.lora.model_manager import LoRAModelManager
