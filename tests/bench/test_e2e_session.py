@@ -119,6 +119,30 @@ def test_vllm_maps_gpt_oss_adapter_names_to_its_modules() -> None:
     assert GptOssForCausalLM.is_3d_moe_weight
 
 
+def test_vllms_lora_loader_takes_the_gpt_oss_adapter(tmp_path: Path) -> None:
+    """vLLM's own loader (PEFT config checks, name mapping, unexpected-module check) on the
+    bench's GPT-OSS adapter; expected modules are GptOss's LoRA layers (qkv_proj's packed
+    slices, o_proj, the experts' 3D wrapper), as vLLM's worker derives them."""
+    import torch
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    cfg = make_model(tmp_path / "model", "gpt-oss-20b", 2, TINY["gpt-oss-20b"])
+    make_adapter(tmp_path / "lora", dims(cfg), seed=0)
+    helper = PEFTHelper.from_local_dir(str(tmp_path / "lora"), None)
+    lora = LoRAModel.from_local_checkpoint(
+        str(tmp_path / "lora"), {"q_proj", "k_proj", "v_proj", "o_proj", "experts"}, helper,
+        lora_model_id=1, device="cpu", dtype=torch.bfloat16,
+        weights_mapper=GptOssForCausalLM.hf_to_vllm_mapper,
+    )  # fmt: skip
+    assert helper.r == RANK
+    layer = "model.layers.1."
+    want = {layer + m for m in ("attn.q_proj", "attn.o_proj", "mlp.experts.base_layer",
+                                "mlp.experts")}  # fmt: skip
+    assert want <= set(lora.loras)
+
+
 class FakeOutput:
     def __init__(self, request_id: str, tokens: list[int]) -> None:
         self.request_id = request_id
