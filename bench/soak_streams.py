@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import sys
 import time
 from typing import Any
 
 import httpx
+
+from bench.streams_process import decode_until_stop
 
 # Different questions per stream, so no stream's prompt is another's cached prefix.
 QUESTIONS = (
@@ -103,13 +103,7 @@ async def _main(args: argparse.Namespace) -> None:
         if len(started) < len(tasks):
             print(f"not decoding after {START_TIMEOUT_S} s: {requests[-4:]}", flush=True)
             return
-        print("decoding", flush=True)
-        await asyncio.to_thread(sys.stdin.readline)  # `stop`
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await decode_until_stop(tasks)
     # The requests cancelled at `stop` (one per stream) have no outcome.
     finished = [r for r in requests if r.pop("done", False)]
     print(json.dumps({"requests": finished}), flush=True)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import sys
 import time
 from typing import Any
 
 import httpx
+
+from bench.streams_process import decode_until_stop
 
 
 def _carries_token(line: str) -> bool:
@@ -80,13 +80,7 @@ async def _main(args: argparse.Namespace) -> None:
             if any(t.done() for t in tasks):
                 break  # a stream failed: report it below rather than wait forever
             await asyncio.sleep(0.02)
-        print("decoding", flush=True)
-        await asyncio.to_thread(sys.stdin.readline)  # `stop`
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # a stream that failed raises here and the parent sees no JSON
+        await decode_until_stop(tasks)
     print(json.dumps({"requests": requests, "probes": probes}), flush=True)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import logging
 import signal
 import subprocess
 import sys
@@ -26,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from moto.server import ThreadedMotoServer
 
-from bench.loadgen.server import REPO, free_port
+from bench.loadgen.server import REPO
+from tests.support.moto_s3 import moto_s3
 from tests.support.s3_fault_proxy import CONTROL, FaultProxy, Forwarded, SlowBody
 
 # A control call normally answers in milliseconds; a stalled proxy must not hang the test.
@@ -109,15 +108,11 @@ class S3Rig:
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
-    port = free_port()
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    moto.start()
-    proxy = FaultProxy("127.0.0.1", port)
-    print(json.dumps({"endpoint": f"http://127.0.0.1:{port}", "proxy": proxy.url}), flush=True)
-    sys.stdin.read()  # until the test closes our stdin (or dies)
-    proxy.close()
-    moto.stop()
+    with moto_s3() as endpoint:
+        proxy = FaultProxy("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))
+        print(json.dumps({"endpoint": endpoint, "proxy": proxy.url}), flush=True)
+        sys.stdin.read()  # until the test closes our stdin (or dies)
+        proxy.close()
 
 
 if __name__ == "__main__":
