@@ -21,13 +21,14 @@ from loraplex.server.engine.client import EngineClient
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway
 from loraplex.server.lora_activity import LoraActivity
-from loraplex.server.metrics import METRICS_CONTENT_TYPE, GatewayMetrics, exposition
+from loraplex.server.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
 from loraplex.server.metrics_access import (
     METRICS_PATH,
     PICKER_METRICS_PATH,
     MetricsAccess,
     MetricsListenerOnly,
 )
+from loraplex.server.metrics_scrape import MetricsScrape
 from loraplex.server.model_choice import choose_served_model
 from loraplex.server.picker_metrics import EngineMetrics, PickerMetrics, picker_exposition
 from loraplex.server.request_body import BodyParser
@@ -144,7 +145,7 @@ def create_app(settings: Settings) -> FastAPI:
         activity,
         lambda: app.state.adapter_registry.tiers.residents() if app.state.adapter_registry else (),
     )
-    metrics.registry.register(picker)
+    metrics.live.register(picker)
     install_json_handler()
     # The last added runs first: access logging wraps the drain's gate and the body cap, so a
     # draining replica's 503 and a 413 are logged and counted.
@@ -169,12 +170,12 @@ def create_app(settings: Settings) -> FastAPI:
     access = MetricsAccess(settings.http)
     if access.warning:
         log.warning(access.warning)
-    vllm_metrics = EngineMetrics(REGISTRY, activity)
+    scrape = MetricsScrape([EngineMetrics(REGISTRY, activity), metrics.live], [metrics.registry])
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def prometheus_metrics(request: Request) -> Response:
         access.check(request.scope, request.headers.get("authorization"))
-        return Response(exposition(vllm_metrics, metrics.registry), media_type=METRICS_CONTENT_TYPE)
+        return Response(await scrape.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get(PICKER_METRICS_PATH, include_in_schema=False)
     async def picker_metrics(request: Request) -> Response:

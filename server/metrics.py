@@ -113,8 +113,13 @@ class _EngineCollector(Collector):
 
 
 class GatewayMetrics:
+    """`registry` holds prometheus_client's own metrics, which any thread may read (each child
+    under its lock); `live` the collectors that read the gateway's state at scrape time, which
+    only the event loop may (metrics_scrape renders the two accordingly)."""
+
     def __init__(self, registry: CollectorRegistry, adapter_label_top_k: int) -> None:
         self.registry = registry
+        self.live = CollectorRegistry()
         self._adapters = AdapterLabels(adapter_label_top_k)
         per_request = ["tenant", "adapter"] if adapter_label_top_k else ["tenant"]
 
@@ -194,11 +199,11 @@ class GatewayMetrics:
 
     def watch_queues(self, snapshot: Callable[[], dict[str, tuple[int, int]]]) -> None:
         """Export `{tenant: (queued, running)}` as gauges, read at every scrape."""
-        self.registry.register(_QueueCollector(snapshot))
+        self.live.register(_QueueCollector(snapshot))
 
     def watch_engine(self, healthy: Callable[[], bool]) -> None:
         """Export `loraplex_engine_healthy` (1 or 0), read at every scrape: what alerts watch."""
-        self.registry.register(_EngineCollector(healthy))
+        self.live.register(_EngineCollector(healthy))
 
     def _labels(self, record: RequestRecord) -> list[str]:
         tenant = record.tenant or "unknown"

@@ -22,6 +22,7 @@ from loraplex.server.metrics import (
     OTHER_LABEL,
     AdapterLabels,
     GatewayMetrics,
+    exposition,
 )
 from loraplex.server.tenancy.record import RequestRecord
 
@@ -73,7 +74,7 @@ def test_every_metric_is_prefixed_and_in_base_units() -> None:
     metrics.watch_engine(lambda: True)
     metrics.observe_request(finished_record())
     metrics.observe_rejection("acme", "requests_per_minute")
-    families = list(registry.collect())
+    families = [*registry.collect(), *metrics.live.collect()]
     assert {f.type for f in families} == set(NAME_ENDINGS)
     for family in families:
         assert family.name.startswith("loraplex_"), family.name
@@ -81,7 +82,7 @@ def test_every_metric_is_prefixed_and_in_base_units() -> None:
         assert family.name.endswith(NAME_ENDINGS[family.type]), (family.type, family.name)
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
-    text = generate_latest(registry).decode()
+    text = exposition(registry, metrics.live).decode()
     assert (
         'loraplex_time_to_first_token_seconds_count{adapter="acme/bot",tenant="acme"} 1.0' in text
     )
