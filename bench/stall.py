@@ -16,7 +16,12 @@ batch, which slows every step). The server admits 32 sequences at once (tenancy.
 of them to end. Prints a table, appends one JSON row per kind (machine, commit, config, the
 load average over its phases) to bench/results/stall.jsonl.
 
+The steady streams, the attacks and the scrape kind's seeding each send as their own tenants.
+With `--reference COMMIT`, the same phases run first against a server of that commit's tree
+(git archive), then against this tree's: a before/after in one run, side by side in the table.
+
     python -m bench.stall [--streams 4] [--phase-s 10] [--rounds 3] [--kinds chat_string,...]
+                          [--reference COMMIT]
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +47,16 @@ from rich.table import Table
 
 from bench.common import append_rows, stamp
 from bench.loadgen.server import ADMIN_TOKEN, LiveServer, live_server
-from bench.stall_attacks import KINDS, Attack, attacks
+from bench.registry.fleet import export_tree, short_commit
+from bench.stall_attacks import (
+    ATTACKER_KEY,
+    KINDS,
+    METRICS_KINDS,
+    Attack,
+    attacks,
+    seed_metrics,
+    seed_tenants,
+)
 from loraplex.server.settings import load_settings
 
 GOAL_P99_INCREASE_S = 0.050
@@ -50,11 +66,13 @@ SETTLE_S = 1.0
 MAX_RUNNING = 32  # the steady streams and an n=16 request at once, with room to spare
 # A short chat prompt takes about this many of the context's tokens (the template's included).
 PROMPT_TOKENS = 32
+STEADY_KEY = "stall-steady-key-0123456789"
 
 
 @dataclass
 class Phase:
     name: str  # `steady` or the kind sent
+    server: str  # `this` tree or the `reference`
     start: float
     end: float = 0.0
     replies: list[tuple[int, float, int]] = field(default_factory=list)  # status, s, bytes
@@ -66,7 +84,8 @@ class Phase:
 def send_for(server: LiveServer, phase: Phase, attack: Attack, duration: float) -> None:
     """`attack` one request after another until `duration` has passed (a request that takes
     longer ends the phase when it is answered)."""
-    with httpx.Client(base_url=server.base_url, timeout=600) as client:
+    headers = {"Authorization": f"Bearer {ATTACKER_KEY}"}
+    with httpx.Client(base_url=server.base_url, timeout=600, headers=headers) as client:
         while time.monotonic() - phase.start < duration:
             sent = time.monotonic()
             try:
@@ -84,36 +103,57 @@ def gaps_ending_in(requests: list[list[float]], start: float, end: float) -> lis
 
 
 def run(args: argparse.Namespace) -> list[Phase]:
+    """Every kind's phases against the reference's server (with `--reference`), then this
+    tree's."""
+    work = Path(tempfile.mkdtemp(prefix="bench-stall-"))
+    try:
+        servers: list[tuple[str, Path | None]] = [("this", None)]
+        if args.reference:
+            servers.insert(0, ("reference", export_tree(args.reference, work / "reference")))
+        return [phase for label, tree in servers for phase in run_on(args, label, tree)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_on(args: argparse.Namespace, label: str, tree: Path | None) -> list[Phase]:
     """`rounds` x (steady, kind) for each kind: each attack phase has a steady one just
     before it, so drift on a shared machine hits both alike."""
     settings = load_settings()  # what the server reads too: the defaults, this environment
     max_model_len = settings.engine.max_model_len
     response_tokens = args.response_tokens or max_model_len - PROMPT_TOKENS
-    workdir = args.out_dir / "tmp" / "stall"
-    config = {"http": {"admin_token": ADMIN_TOKEN}, "tenancy": {"max_running": MAX_RUNNING}}
+    workdir = args.out_dir / "tmp" / "stall" / label
+    seeded = seed_tenants()
+    tenants = [{"id": "steady", "api_keys": [STEADY_KEY]},
+               {"id": "mallory", "api_keys": [ATTACKER_KEY]}, *seeded]  # fmt: skip
+    config = {"http": {"admin_token": ADMIN_TOKEN},
+              "tenancy": {"max_running": MAX_RUNNING, "tenants": tenants}}  # fmt: skip
     phases: list[Phase] = []
-    with live_server(config, workdir) as server:
-        model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+    with live_server(config, workdir, tree=tree) as server:
+        auth = {"Authorization": f"Bearer {STEADY_KEY}"}
+        model = httpx.get(server.base_url + "/v1/models", headers=auth).json()["data"][0]["id"]
         sends = attacks(model, settings.http.max_body_bytes, max_model_len, response_tokens,
                         workdir, args.kinds)  # fmt: skip
+        if any(k in METRICS_KINDS for k in args.kinds):
+            seed_metrics(server.base_url, model, seeded)
         clock = subprocess.Popen(
             [sys.executable, "-m", "bench.stall_clock", "--base-url", server.base_url,
              "--model", model, "--streams", str(args.streams),
-             "--max-tokens", str(args.max_tokens)],
+             "--max-tokens", str(args.max_tokens), "--api-key", STEADY_KEY],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert clock.stdin is not None and clock.stdout is not None
         assert clock.stdout.readline().strip() == "decoding"
         for _, kind in itertools.product(range(args.rounds), args.kinds):
-            steady = Phase("steady", time.monotonic())
+            steady = Phase("steady", label, time.monotonic())
             time.sleep(args.phase_s)
             steady.end, steady.load = time.monotonic(), os.getloadavg()[0]
             time.sleep(2 * SETTLE_S)
-            phase = Phase(kind, time.monotonic())
+            phase = Phase(kind, label, time.monotonic())
             send_for(server, phase, sends[kind], args.phase_s)
             phase.end, phase.load = time.monotonic(), os.getloadavg()[0]
             phases += [steady, phase]
-            print(f"{kind}: {len(phase.replies)} replies, load {phase.load:.1f}", flush=True)
+            print(f"{label} {kind}: {len(phase.replies)} replies, load {phase.load:.1f}",
+                  flush=True)  # fmt: skip
             time.sleep(2 * SETTLE_S)  # the last reply's aftermath is not the next phase's
         out, _ = clock.communicate("stop\n", timeout=120)
     clocked = json.loads(out)
@@ -167,33 +207,39 @@ def _kind_row(kind: str, pairs: list[tuple[Phase, Phase]]) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace, phases: list[Phase]) -> list[dict[str, Any]]:
-    """One row per kind (`_kind_row`), and the table of them."""
+    """One row per server and kind (`_kind_row`), and the table of them, the reference's row
+    (with `--reference`) above this tree's."""
     title = (f"{args.streams} steady streams; maximal requests one after another, by kind "
              f"(median of {args.rounds} rounds, each attack phase against the steady one "
              "before it)")  # fmt: skip
     table = Table(title=title)
-    columns = ("kind", "replies", "reply MB", "steady p99 ms", "attack p99 ms",
+    columns = ("kind", "server", "replies", "reply MB", "steady p99 ms", "attack p99 ms",
                "p99 increase ms", "attack max ms", "loop p99 increase ms", "loop max ms",
                "load avg")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     rows = []
     base = {**stamp(), "config": {k: str(v) for k, v in vars(args).items()}}
+    commits = {"this": base["commit"], "reference": args.reference and short_commit(args.reference)}
     for kind in args.kinds:
-        pairs = [(phases[i - 1], p) for i, p in enumerate(phases) if p.name == kind]
-        row = {**base, **_kind_row(kind, pairs)}
-        rows.append(row)
-        load = row["load_avg_1m"]
-        table.add_row(
-            kind, " ".join(f"{k}x{v}" for k, v in row["replies"].items()),
-            f"{(row['reply_bytes_max'] or 0) / 1e6:.2f}",
-            f"{row['itl_p99_ms']['steady']:.1f}", f"{row['itl_p99_ms']['attack']:.1f}",
-            f"{row['p99_increase_ms']:+.1f}", f"{row['itl_max_ms']['attack']:.1f}",
-            f"{row['loop_probe_p99_increase_ms']:+.1f}",
-            f"{row['loop_probe_max_ms']['attack']:.1f}",
-            f"{load['min']:.1f}-{load['max']:.1f}",
-        )  # fmt: skip
-    Console(width=200).print(table)
+        for server in dict.fromkeys(p.server for p in phases):
+            pairs = [(phases[i - 1], p) for i, p in enumerate(phases)
+                     if p.name == kind and p.server == server]  # fmt: skip
+            row = {**base, "server": server, "server_commit": commits[server],
+                   **_kind_row(kind, pairs)}  # fmt: skip
+            rows.append(row)
+            load = row["load_avg_1m"]
+            table.add_row(
+                kind, f"{server} {commits[server]}",
+                " ".join(f"{k}x{v}" for k, v in row["replies"].items()),
+                f"{(row['reply_bytes_max'] or 0) / 1e6:.2f}",
+                f"{row['itl_p99_ms']['steady']:.1f}", f"{row['itl_p99_ms']['attack']:.1f}",
+                f"{row['p99_increase_ms']:+.1f}", f"{row['itl_max_ms']['attack']:.1f}",
+                f"{row['loop_probe_p99_increase_ms']:+.1f}",
+                f"{row['loop_probe_max_ms']['attack']:.1f}",
+                f"{load['min']:.1f}-{load['max']:.1f}",
+            )  # fmt: skip
+    Console(width=220).print(table)
     return rows
 
 
@@ -209,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS))
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--reference", metavar="COMMIT",
+                        help="also run every kind against this commit's server, first")  # fmt: skip
     args = parser.parse_args(argv)
     unknown = set(args.kinds) - set(KINDS)
     if unknown:

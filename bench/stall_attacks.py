@@ -16,7 +16,9 @@ Prompts, each body just under `http.max_body_bytes`:
 Responses, from a short prompt to the end of the context:
 - `logprobs_response`  a whole (not streamed) chat response of n=16 choices with
                    top_logprobs=20 at every token: 48 MB at 2,047 tokens;
-- `n16_stream`     the same streamed: 16 choices' chunks, each with its 20 top logprobs.
+- `n16_stream`     the same streamed: 16 choices' chunks, each with its 20 top logprobs;
+- `n16_plain`      the same streamed without logprobs: what 16 more sequences in the engine's
+                   batch cost the steady streams alone, beside which the logprobs' share shows.
 
 Registrations (POST /admin/v1/adapters of a copy of the demo adapter, deleted after):
 - `config_ints`    an adapter_config.json just under MAX_CONFIG_BYTES of small JSON values;
@@ -26,6 +28,11 @@ Registrations (POST /admin/v1/adapters of a copy of the demo adapter, deleted af
                    MAX_PATTERN_KEYS (registered before the bound: 9-11 s of compiling and
                    matching in a worker thread that held the GIL up to 344 ms at a time);
 - `config_80mb`    the issue's 80 MB adapter_config.json (stalled every stream 4.5 s), refused.
+
+Scrapes:
+- `metrics_scrape`  GET /metrics once `seed_metrics` had 20 tenants each send a request to 21
+                   shared adapters and the base model: every tenant x adapter label the
+                   default `tenancy.adapter_label_top_k` (20, then `other`) allows, 61k samples.
 """
 
 from __future__ import annotations
@@ -46,9 +53,13 @@ from bench.loadgen.server import ADMIN_TOKEN
 LOREM = "lorem ipsum dolor sit amet, consectetur adipiscing elit sed do eiusmod tempor "
 PROMPT_KINDS = ("chat_string", "chat_messages", "prompt_ids", "nested", "at_char_bound",
                 "at_char_bound_cjk")  # fmt: skip
-RESPONSE_KINDS = ("logprobs_response", "n16_stream")
+RESPONSE_KINDS = ("logprobs_response", "n16_stream", "n16_plain")
 CONFIG_KINDS = ("config_ints", "config_patterns", "config_patterns_past", "config_80mb")
-KINDS = PROMPT_KINDS + RESPONSE_KINDS + CONFIG_KINDS
+METRICS_KINDS = ("metrics_scrape",)
+KINDS = PROMPT_KINDS + RESPONSE_KINDS + CONFIG_KINDS + METRICS_KINDS
+ATTACKER_KEY = "stall-attacker-key-0123456789"  # the tenant sending every request but scrapes
+SEED_TENANTS = 20
+SEED_ADAPTERS = 21  # adapter_label_top_k's 20 and one that is counted as `other`
 CONFIG_FILE = "adapter_config.json"
 Send = Callable[[httpx.Client], tuple[int, int]]  # one request: its status and bytes received
 
@@ -120,14 +131,15 @@ def _stream(path: str, body: bytes) -> Send:
     return send
 
 
-def response_body(model: str, tokens: int, stream: bool) -> bytes:
+def response_body(model: str, tokens: int, stream: bool, logprobs: bool = True) -> bytes:
     """n=16 choices of `tokens` tokens each, top_logprobs=20 at every one (the bounds' most)."""
     from loraplex.server.protocol import MAX_N, MAX_TOP_LOGPROBS
 
+    asked = {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS} if logprobs else {}
     return json.dumps({
         "model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
         "max_tokens": tokens, "n": MAX_N, "temperature": 1.0, "seed": 0, "ignore_eos": True,
-        "logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS, "stream": stream,
+        "stream": stream, **asked,
     }).encode()  # fmt: skip
 
 
@@ -186,6 +198,50 @@ def _register(folder: Path, names: itertools.count[int]) -> Send:
     return send
 
 
+def _get(path: str) -> Send:
+    def send(client: httpx.Client) -> tuple[int, int]:
+        reply = client.get(path)
+        return reply.status_code, len(reply.content)
+
+    return send
+
+
+def seed_tenants() -> list[dict[str, Any]]:
+    """The config of the tenants `seed_metrics` sends as."""
+    return [{"id": f"seed{t:02d}", "api_keys": [f"seed-key-{t:02d}-0123456789"]}
+            for t in range(SEED_TENANTS)]  # fmt: skip
+
+
+def seed_metrics(base_url: str, model: str, tenants: list[dict[str, Any]]) -> None:
+    """Each of `tenants` sends one 1-token request to each of SEED_ADAPTERS shared adapters
+    (copies of a demo adapter, registered here) and to the base model, 20 at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplex.server.demo.adapters import ensure_demo_adapters
+    from loraplex.server.demo.model import ensure_demo_model
+    from loraplex.server.settings import default_cache_dir
+
+    cache = default_cache_dir()
+    demo = ensure_demo_adapters(ensure_demo_model(cache), cache) / "demo-attn"
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    with httpx.Client(base_url=base_url, timeout=600) as client:
+        names = [f"seed-{a:02d}" for a in range(SEED_ADAPTERS)]
+        for name in names:
+            body = {"name": name, "source": str(demo)}
+            client.post("/admin/v1/adapters", json=body, headers=admin).raise_for_status()
+
+        def one(tenant: dict[str, Any], target: str) -> None:
+            body = {"model": target, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+            headers = {"Authorization": f"Bearer {tenant['api_keys'][0]}"}
+            reply = client.post("/v1/chat/completions", json=body, headers=headers)
+            reply.raise_for_status()
+
+        with ThreadPoolExecutor(SEED_TENANTS) as pool:
+            for target in [model, *names]:
+                list(pool.map(lambda t: one(t, target), tenants))  # noqa: B023
+
+
 def attacks(
     model: str, cap: int, max_model_len: int, response_tokens: int, workdir: Path, kinds: Any
 ) -> dict[str, Attack]:
@@ -198,8 +254,12 @@ def attacks(
     if any(k in PROMPT_KINDS for k in kinds):
         for name, (path, body) in prompt_bodies(model, cap, char_bound(max_model_len)).items():
             out[name] = Attack(name, _post(path, body))
-    for name, stream in (("logprobs_response", False), ("n16_stream", True)):
-        body = response_body(model, response_tokens, stream)
+    for name, stream, logprobs in (
+        ("logprobs_response", False, True),
+        ("n16_stream", True, True),
+        ("n16_plain", True, False),
+    ):
+        body = response_body(model, response_tokens, stream, logprobs)
         out[name] = Attack(name, (_stream if stream else _post)("/v1/chat/completions", body))
     if any(k in CONFIG_KINDS for k in kinds):
         cache = default_cache_dir()
@@ -207,4 +267,5 @@ def attacks(
         names = itertools.count()
         for name, folder in config_folders(demo, workdir / "adapters").items():
             out[name] = Attack(name, _register(folder, names))
+    out["metrics_scrape"] = Attack("metrics_scrape", _get("/metrics"))
     return {k: out[k] for k in kinds}

@@ -70,7 +70,10 @@ async def _main(args: argparse.Namespace) -> None:
     requests: list[list[float]] = []
     probes: list[tuple[float, float]] = []
     timeout = httpx.Timeout(600.0)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=args.base_url, timeout=timeout, headers=headers
+    ) as client:
         tasks = [
             asyncio.create_task(_stream_forever(client, args, requests))
             for _ in range(args.streams)
@@ -91,6 +94,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--probe-interval", type=float, default=0.05)
+    parser.add_argument("--api-key", default=None, help="the steady streams' tenant's key")
     asyncio.run(_main(parser.parse_args()))
 
 

@@ -111,11 +111,16 @@ def engine_lock() -> Iterator[None]:
 
 @contextlib.contextmanager
 def live_server(
-    config: dict[str, Any], workdir: Path, *, hold_engine_lock: bool = True
+    config: dict[str, Any],
+    workdir: Path,
+    *,
+    hold_engine_lock: bool = True,
+    tree: Path | None = None,
 ) -> Iterator[LiveServer]:
     """Start loraplex with `config` (the YAML config file's content); stop it on exit. A long
     run (the soak: 10 minutes) passes `hold_engine_lock=False`: holding the lock, it would keep
-    every other suite's server waiting for its whole length."""
+    every other suite's server waiting for its whole length. `tree`: serve another source tree
+    (a reference commit's, for a before/after in one run) instead of this one."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "loraplex.yaml"
@@ -132,6 +137,7 @@ def live_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=tree,  # `-m loraplex...` imports the package of the working folder
         )
         server = LiveServer(f"http://127.0.0.1:{port}", log_path, process,
                             Path(config["cache_dir"]))  # fmt: skip

@@ -51,7 +51,20 @@ def test_params_ask_for_the_sampled_logprob_without_changing_the_callers() -> No
     guarded = engine_params(asked_none)
     assert guarded.logprobs == 0 and asked_none.logprobs is None
     asked_three = SamplingParams(max_tokens=4, logprobs=3)
-    assert engine_params(asked_three) is asked_three
+    guarded = engine_params(asked_three)
+    assert guarded.logprobs == 3 and guarded.flat_logprobs
+    assert not asked_three.flat_logprobs
+    flat_already = SamplingParams(max_tokens=4, logprobs=3, flat_logprobs=True)
+    assert engine_params(flat_already) is flat_already
+
+
+def test_logprobs_are_kept_flat_holding_no_object_per_token() -> None:
+    # vLLM's front end keeps a request's logprobs in the container its params choose
+    # (LogprobsProcessor.from_new_request): flat, no Logprob object lives per token.
+    from vllm.logprobs import create_sample_logprobs
+
+    container = create_sample_logprobs(engine_params(SamplingParams(logprobs=20)).flat_logprobs)
+    assert isinstance(container, FlatLogprobs)
 
 
 @pytest.mark.parametrize("flat", [False, True])
