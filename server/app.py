@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -37,6 +36,7 @@ from loraplex.server.settings import Settings
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.store import TenantStore
+from loraplex.server.vllm_serving import EngineView, build_serving
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +68,15 @@ def _freeze_startup_heap() -> None:
 
 
 @asynccontextmanager
-async def _request_workers(
-    settings: Settings,
-) -> AsyncIterator[tuple[BodyParser, ThreadPoolExecutor]]:
-    """The pools that keep work growing with a request's input off the event loop: processes
-    that parse large bodies (request_body.py), threads that template and tokenize (prompts.py)."""
+async def _body_parser(settings: Settings) -> AsyncIterator[BodyParser]:
+    """The processes that parse large bodies off the event loop (request_body.py); vLLM's
+    renderer templates and tokenizes in its own threads."""
     parser = BodyParser(settings.http.body_parse_processes)
-    threads = ThreadPoolExecutor(settings.http.prompt_threads, thread_name_prefix="prompt")
     try:
         await parser.start()
-        yield parser, threads
+        yield parser
     finally:
         parser.close()
-        threads.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -102,7 +98,7 @@ def create_app(settings: Settings) -> FastAPI:
                     seed_dir=served.adapters_dir,
                 ) as adapters,
                 _tenancy(settings, adapters, metrics) as tenancy,
-                _request_workers(settings) as (body_parser, prompt_threads),
+                _body_parser(settings) as body_parser,
             ):
                 log.info(
                     "serving %s from %s with adapters %s",
@@ -111,12 +107,15 @@ def create_app(settings: Settings) -> FastAPI:
                 app.state.adapter_registry = adapters
                 app.state.tenancy = tenancy
                 app.state.body_parser = body_parser
+                view = EngineView(engine, await engine.async_llm.get_supported_tasks())
                 app.state.gateway = Gateway(
                     engine=engine,
                     adapters=adapters,
                     base_model=served.name,
                     tenancy=tenancy,
-                    prompt_threads=prompt_threads,
+                    serving=build_serving(
+                        view, engine.namespace, served.model_dir, served.name, adapters
+                    ),
                     activity=activity,
                     drain=app.state.drain,
                 )
@@ -159,6 +158,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(MetricsListenerOnly, metrics_port=settings.http.metrics_port)
     install_error_handlers(app)
     app.include_router(openai.router)
+    app.include_router(openai.vllm_router)
     app.include_router(health.router)
     app.include_router(admin_adapters.router)
     app.include_router(admin_tenants.router)

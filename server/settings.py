@@ -63,8 +63,12 @@ OWNED_VLLM_ARGS: dict[str, str] = {
 # used), but not both with different values.
 MIRRORED_VLLM_ARGS = frozenset(
     {"max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
-     "enforce_eager", "specialize_active_lora", "load_format", "seed"}
+     "enforce_eager", "specialize_active_lora", "load_format", "seed", "generation_config",
+     "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser"}
 )  # fmt: skip
+# Of those, the ones loraplex passes to vLLM's argument parser as they are, for vLLM to check.
+PARSED_BY_VLLM = ("generation_config", "tool_call_parser", "enable_auto_tool_choice",
+                  "reasoning_parser")  # fmt: skip
 
 
 def vllm_arg_name(key: str) -> str:
@@ -135,6 +139,27 @@ class EngineSettings(BaseModel):
     seed: int = Field(0, description="Engine seed, for reproducible sampling with `seed` unset.")
     moe_lora_kernels: bool = Field(
         True, description="On GPUs, use loraplex's MoE-LoRA kernels through its vLLM plugin."
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Default sampling parameters, as vLLM's --generation-config: `auto` from the "
+        "model's generation_config.json, `vllm` vLLM's own, or a folder holding a "
+        "generation_config.json. A request's own fields win.",
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's tool parser for chat requests with `tools` (as --tool-call-parser: "
+        "hermes, llama3_json, mistral, ...); `tool_choice` other than none needs it.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="Let the model decide to call tools (`tool_choice: auto`), as vLLM's "
+        "--enable-auto-tool-choice; needs tool_call_parser.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="vLLM's reasoning parser (as --reasoning-parser: deepseek_r1, qwen3, ...): "
+        "a reasoning model's thinking is returned apart from its answer.",
     )
     vllm_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -260,13 +285,6 @@ class HttpSettings(BaseModel):
         description="Worker processes that parse request bodies over 16 KiB, off the event loop "
         "and its GIL (server/request_body.py): large bodies wait for one of them, small ones "
         "never do. Each holds ~60 MB.",
-    )
-    prompt_threads: int = Field(
-        2,
-        ge=1,
-        le=64,
-        description="Threads that render chat templates and tokenize prompts (their "
-        "tokenizers release the GIL); prompts wait for one of them.",
     )
     metrics_token: SecretStr | None = Field(
         None,

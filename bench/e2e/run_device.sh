@@ -3,8 +3,8 @@
 #   bash bench/e2e/run_device.sh COMMIT MODE...
 #   MODE: check | poison | poison-{stock,plugin,stock-graphs,plugin-graphs} | base | stock | plugin
 #         | prefill-base | prefill-stock | prefill-plugin | host-base | host-plugin | serve-plugin
-#         | serve-stock | variant-NAME[+NAME] | guard-gpu | guard-gpu-moe | guard-gpu-dense
-#         | wheels
+#         | serve-stock | serve-tp | variant-NAME[+NAME] | guard-gpu | guard-gpu-moe
+#         | guard-gpu-dense | wheels
 # check: greedy tokens on a small real-weight MoE, stock vLLM eager against the plugin eager and
 # CUDA graphs per adapter count with and without the plugin (bench_e2e.py);
 # poison: on that model, whether the requests beside a NaN copy of an adapter, and after it,
@@ -17,7 +17,9 @@
 # host_samples.py); serve-*: the same workload through
 # loraplex's HTTP server (serve_e2e.py; carry .gpu/p6, the server's dependency wheels:
 # pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
-# -d .gpu/p6 and the modules the loop below names).
+# -d .gpu/p6 and the modules the loop below names); serve-tp (2 GPUs): greedy tokens through
+# loraplex's server at tensor_parallel_size 2 against 1, base and adapters, plugin on
+# (serve_tp.py).
 # variant-NAME: the plugin mode with LORAPLEX_DECODE_VARIANT=NAME (kernels/dispatch.py; several
 # joined by +), its row with a `variant` field (run_session.sh part v runs the A/B).
 # guard-gpu: tests/server/test_engine_guard_gpu.py (4 engines; -moe or -dense: that model's 2,
@@ -63,6 +65,10 @@ for mode in "$@"; do
     wheels)
       server_wheels
       continue ;;
+    serve-tp)
+      server_wheels
+      timeout 560 python3 -m bench.e2e.serve_tp --commit "$commit" --out "$OUT" \
+        --install /tmp/site >"$log" 2>&1 ;;
     serve-*)
       server_wheels
       timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \

@@ -20,7 +20,12 @@ import yaml
 
 from loraplex.kernels.vllm.plugin import SUPPORTED_VLLM, compile_cache_config
 from loraplex.server.engine import vllm_compat
-from loraplex.server.settings import OWNED_VLLM_ARGS, ConfigError, EngineSettings
+from loraplex.server.settings import (
+    OWNED_VLLM_ARGS,
+    PARSED_BY_VLLM,
+    ConfigError,
+    EngineSettings,
+)
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -143,6 +148,11 @@ def _flag_value(value: Any) -> Any:
     return yaml.safe_load(value) if isinstance(value, str) else value
 
 
+def _setting(name: str) -> str:
+    """The setting that gives vLLM argument `name`."""
+    return f"engine.{name}" if name in EngineSettings.model_fields else f"engine.vllm_args.{name}"
+
+
 def arg_tokens(action: argparse.Action, name: str, value: Any) -> list[str]:
     """`vllm serve` command-line tokens that set argument `name` to the settings' `value`."""
     if value is None:
@@ -150,7 +160,7 @@ def arg_tokens(action: argparse.Action, name: str, value: Any) -> list[str]:
     if action.nargs == 0:  # a switch: --x / --no-x
         flag = _flag_value(value)
         if not isinstance(flag, bool):
-            raise ConfigError(f"engine.vllm_args.{name}: expects true or false (got {value!r})")
+            raise ConfigError(f"{_setting(name)}: expects true or false (got {value!r})")
         off = [o for o in action.option_strings if o.startswith("--no-")]
         if flag:
             return [_option(action)]
@@ -172,8 +182,9 @@ def _unknown(name: str, known: list[str], vllm_version: str) -> ConfigError:
 
 
 def parse_vllm_args(settings: EngineSettings) -> argparse.Namespace:
-    """engine.vllm_args through `vllm serve`'s parser, each argument on its own first so that an
-    error names it; every other argument at vLLM's default. Raises ConfigError."""
+    """engine.vllm_args and the settings vLLM checks itself (PARSED_BY_VLLM) through
+    `vllm serve`'s parser, each argument on its own first so that an error names it; every other
+    argument at vLLM's default. Raises ConfigError."""
     import vllm
 
     version = str(vllm.__version__)
@@ -181,7 +192,8 @@ def parse_vllm_args(settings: EngineSettings) -> argparse.Namespace:
     http = vllm_compat.http_server_arg_names()
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     tokens: list[str] = []
-    for name, value in settings.vllm_args.items():
+    requested = {**settings.vllm_args, **{k: getattr(settings, k) for k in PARSED_BY_VLLM}}
+    for name, value in requested.items():
         if name in OWNED_VLLM_ARGS:  # settings refuse these; a namespace built by hand may not
             raise ConfigError(f"engine.vllm_args.{name}: use {OWNED_VLLM_ARGS[name]}")
         if name in http:
@@ -195,7 +207,7 @@ def parse_vllm_args(settings: EngineSettings) -> argparse.Namespace:
         try:
             parser.parse_args(own)
         except vllm_compat.VllmArgumentError as e:
-            raise ConfigError(f"engine.vllm_args.{name}: vLLM {version} says: {e}") from None
+            raise ConfigError(f"{_setting(name)}: vLLM {version} says: {e}") from None
         tokens += own
     try:
         return parser.parse_args(tokens)
@@ -218,7 +230,31 @@ def vllm_namespace(
         vllm_compat.validate_parsed_serve_args(namespace)
     except Exception as e:  # vLLM raises TypeError, ValueError or its own validation error
         raise ConfigError(f"engine.vllm_args: {e}") from None
+    check_parsers(namespace)
     return namespace
+
+
+def check_parsers(namespace: argparse.Namespace) -> None:
+    """The tool and reasoning parsers named exist, as `vllm serve` checks before it starts
+    (`validate_api_server_args`), the parser plugins imported first. Raises ConfigError."""
+    import vllm
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    ns = namespace
+    if ns.tool_parser_plugin and len(ns.tool_parser_plugin) > 3:
+        ToolParserManager.import_tool_parser(ns.tool_parser_plugin)
+    if ns.reasoning_parser_plugin and len(ns.reasoning_parser_plugin) > 3:
+        ReasoningParserManager.import_reasoning_parser(ns.reasoning_parser_plugin)
+    for setting, name, registered in (
+        ("tool_call_parser", ns.tool_call_parser, ToolParserManager.list_registered()),
+        ("reasoning_parser", ns.reasoning_parser, ReasoningParserManager.list_registered()),
+    ):
+        if name and name not in registered:
+            raise ConfigError(
+                f"engine.{setting}: vLLM {vllm.__version__} has no parser {name!r} (it has "
+                f"{', '.join(sorted(registered))})"
+            )
 
 
 def engine_args(settings: EngineSettings, namespace: argparse.Namespace) -> AsyncEngineArgs:

@@ -13,24 +13,29 @@ Contract:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.adapters_registry.base import ServableAdapter
-from loraplex.server.engine.builder import engine_args, export_engine_environment, vllm_namespace
+from loraplex.server.engine.builder import (
+    engine_args,
+    export_engine_environment,
+    on_cpu,
+    vllm_namespace,
+)
 from loraplex.server.engine.finite_guard import FiniteGuard
 from loraplex.server.errors import EngineUnavailable, InvalidRequest
 from loraplex.server.settings import EngineSettings
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -71,10 +76,19 @@ class EngineIdConflict(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, engine: AsyncLLM, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        tokenizer: Any,
+        max_model_len: int,
+        namespace: argparse.Namespace | None = None,
+    ) -> None:
         self._engine = engine
+        self.on_cpu = on_cpu()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # The `vllm serve` arguments the engine was built from; vLLM's serving objects take them.
+        self.namespace = namespace or argparse.Namespace()
         self._bound_ids: dict[int, tuple[str, str, Path]] = {}
 
     @classmethod
@@ -84,13 +98,13 @@ class EngineClient:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         export_engine_environment(settings)
-        args = engine_args(settings, vllm_namespace(settings, model_dir, served_name))
-        engine = AsyncLLM.from_engine_args(args)
+        namespace = vllm_namespace(settings, model_dir, served_name)
+        engine = AsyncLLM.from_engine_args(engine_args(settings, namespace))
         _retire_lora_requests_info(engine)
         tokenizer = engine.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # vLLM < 0.30 made this a coroutine
             tokenizer = await tokenizer
-        return cls(engine, tokenizer, settings.max_model_len)
+        return cls(engine, tokenizer, settings.max_model_len, namespace)
 
     def shutdown(self) -> None:
         self._engine.shutdown()
@@ -99,6 +113,11 @@ class EngineClient:
     def vllm_config(self) -> Any:
         """The engine's whole configuration as vLLM resolved it."""
         return self._engine.vllm_config
+
+    @property
+    def async_llm(self) -> AsyncLLM:
+        """vLLM's engine itself, for vLLM's serving objects (`vllm_serving.EngineView`)."""
+        return self._engine
 
     # --- health --------------------------------------------------------------------------
     @property
@@ -118,28 +137,34 @@ class EngineClient:
     # --- generation ----------------------------------------------------------------------
     async def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: list[int] | Mapping[str, Any],
         sampling_params: SamplingParams,
         adapter: ServableAdapter | None,
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        **vllm_kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """`cache_salt` keys the prompt's prefix-cache blocks: prompts of different salts share
-        none (the tenant's salt, `tenancy/cache_salt.py`)."""
+        """`prompt`: token ids, or the prompt vLLM's renderer made. `cache_salt` keys the
+        prompt's prefix-cache blocks: prompts of different salts share none (the tenant's salt,
+        `tenancy/cache_salt.py`). `vllm_kwargs` go to AsyncLLM.generate as they are (the
+        reasoning parser's state)."""
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         lora = self.lora_request(adapter) if adapter else None
         guard = FiniteGuard(sampling_params, adapter)
-        prompt: TokensPrompt = {"prompt_token_ids": prompt_token_ids}
+        engine_input: dict[str, Any] = (
+            {"prompt_token_ids": prompt} if isinstance(prompt, list) else dict(prompt)
+        )
         if cache_salt is not None:
-            prompt["cache_salt"] = cache_salt
+            engine_input["cache_salt"] = cache_salt
         stream = self._engine.generate(
-            prompt,
+            engine_input,  # type: ignore[arg-type]
             guard.params,
             request_id,
             lora_request=lora,
             priority=priority,
+            **vllm_kwargs,
         )
         finished = False
         try:

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: thin, all work happens in `generation.complete`.
+"""The OpenAI-compatible routes, and vLLM's /tokenize, /detokenize and /version: thin, all work
+happens in `generation` and vLLM's serving objects. Every route needs the tenant's key.
 
 Bodies are parsed by `request_body` (large ones in worker processes), not by FastAPI, which
 would parse them on the event loop; the OpenAPI document still describes them.
@@ -16,11 +17,18 @@ from starlette.requests import ClientDisconnect
 from loraplex.adapters_registry.base import ErrorKind
 from loraplex.server.deps import GatewayDep, app_resource
 from loraplex.server.errors import ApiError
-from loraplex.server.generation import complete
-from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.generation import complete, tokenization
+from loraplex.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from loraplex.server.tenancy.deps import TenantDep
 
 router = APIRouter(prefix="/v1")
+# vLLM serves these outside /v1; its clients call them there.
+vllm_router = APIRouter()
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -72,6 +80,8 @@ def _documented_body(model: type[BaseModel]) -> dict[str, Any]:
 
 ChatBody = Annotated[ChatCompletionRequest, _json_body(ChatCompletionRequest)]
 CompletionBody = Annotated[CompletionRequest, _json_body(CompletionRequest)]
+TokenizeBody = Annotated[TokenizeRequest, _json_body(TokenizeRequest)]
+DetokenizeBody = Annotated[DetokenizeRequest, _json_body(DetokenizeRequest)]
 
 
 @router.post(
@@ -100,3 +110,22 @@ async def list_models(gateway: GatewayDep, tenant: TenantDep) -> dict[str, Any]:
         model(name, gateway.base_model) for name in gateway.adapters.names() if tenant.may_use(name)
     ]
     return {"object": "list", "data": [model(gateway.base_model, None), *adapters]}
+
+
+@vllm_router.post("/tokenize", response_model=None, openapi_extra=_documented_body(TokenizeRequest))
+async def tokenize(gateway: GatewayDep, tenant: TenantDep, body: TokenizeBody) -> Response:
+    return await tokenization(gateway, body, tenant)
+
+
+@vllm_router.post(
+    "/detokenize", response_model=None, openapi_extra=_documented_body(DetokenizeRequest)
+)
+async def detokenize(gateway: GatewayDep, tenant: TenantDep, body: DetokenizeBody) -> Response:
+    return await tokenization(gateway, body, tenant)
+
+
+@vllm_router.get("/version")
+async def version(_: TenantDep) -> dict[str, str]:
+    import vllm
+
+    return {"version": str(vllm.__version__)}

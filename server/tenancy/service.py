@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.tenancy.admission import Admission, Entry
@@ -70,10 +70,11 @@ class Admitted:
     async def generate(
         self,
         engine: EngineClient,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | Mapping[str, Any],
         params: SamplingParams,
         adapter: ServableAdapter | None,
         request_id: str,
+        **vllm_kwargs: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Wait for the fair engine slot (`turn`), then stream the engine's outputs (prefix
         cache salted per tenant or sharing group)."""
@@ -88,6 +89,7 @@ class Admitted:
             request_id,
             priority=self._entry.engine_priority,
             cache_salt=self._cache_salt,
+            **vllm_kwargs,
         )
         # The engine's generator aborts its request when closed: close it when we are closed.
         async with aclosing(cast("AsyncGenerator[RequestOutput, None]", stream)) as it:

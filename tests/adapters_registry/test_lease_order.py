@@ -1,8 +1,9 @@
 """The gateway leases a request's adapter only once the request has its fair engine slot.
 
-Real: `generation.complete`, tenancy's admission and fair queue, `EngineClient`, the registry
-(moto S3, disk cache, tiers). Fake: vLLM's generate (three delta outputs, slow enough to overlap)
-and LoRA control, as in the registry's other tests; this is a test of the order of the steps.
+Real: `ServedRequest` (what vLLM's serving objects reach the engine through: admission, the fair
+turn, the lease), tenancy's admission and fair queue, `EngineClient`, the registry (moto S3, disk
+cache, tiers). Fake: vLLM's generate (three delta outputs, slow enough to overlap) and LoRA
+control, as in the registry's other tests; this is a test of the order of the steps.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from registry_fake_engine import FakeEngine
 from registry_rig import Rig
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 from loraplex.server.engine.client import EngineClient
-from loraplex.server.generation import Gateway, complete
 from loraplex.server.metrics import GatewayMetrics
-from loraplex.server.protocol import CompletionRequest
+from loraplex.server.served_request import ServedRequest
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.service import Tenancy
 from loraplex.server.tenancy.settings import TenancySettings
@@ -54,15 +56,19 @@ class SlowGenerate:
         pass
 
 
-class Request:
-    """What `complete` reads of Starlette's request: a client that never disconnects."""
-
-    def __init__(self) -> None:
-        self.scope: dict[str, Any] = {}
-
-    async def receive(self) -> dict[str, Any]:
-        await asyncio.Event().wait()
-        return {}
+async def serve(served: ServedRequest) -> int:
+    """One request as the route and vLLM's serving object drive it: one prompt submitted,
+    the request started, its stream read to the end, the request closed; its token count."""
+    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA)
+    stream = served.submit({"prompt_token_ids": [1, 2, 3]}, params, "rid", {})
+    tokens = 0
+    try:
+        await served.start()
+        async for output in stream:
+            tokens += len(output.outputs[0].token_ids)
+    finally:
+        await served.close()
+    return tokens
 
 
 async def test_queued_requests_hold_no_adapter_so_cold_adapters_cannot_deadlock(rig: Rig) -> None:
@@ -77,12 +83,12 @@ async def test_queued_requests_hold_no_adapter_so_cold_adapters_cannot_deadlock(
     settings = TenancySettings(max_running=3, max_queued=100)
     directory = TenantDirectory(settings, None, None)
     tenancy = Tenancy(settings, directory, GatewayMetrics(CollectorRegistry(), 0))
-    gateway = Gateway(EngineClient(engine, Tokenizer(), 2048), registry, "base", tenancy)
+    client = EngineClient(engine, Tokenizer(), 2048)  # type: ignore[arg-type]
     tenant = directory.authenticate(None)
 
     def request(model: str) -> asyncio.Task:
-        body = CompletionRequest(model=model, prompt="hi", max_tokens=3)
-        return asyncio.create_task(complete(Request(), gateway, body, tenant))  # type: ignore[arg-type]
+        served = ServedRequest(client, registry, tenancy, tenant, None, model, model)
+        return asyncio.create_task(serve(served))
 
     # The first request imports vLLM (sampling params): 10-14 s on a busy 2-core machine, which
     # is not the wait under test.
@@ -96,4 +102,4 @@ async def test_queued_requests_hold_no_adapter_so_cold_adapters_cannot_deadlock(
     for task in pending:
         task.cancel()
     assert not pending, f"{len(pending)} of 9 requests never finished"
-    assert all(t.result().status_code == 200 for t in done)
+    assert all(t.result() == 3 for t in done)

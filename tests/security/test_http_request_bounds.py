@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import types
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.exceptions import RequestValidationError
-from starlette.responses import JSONResponse
 
 from bench.loadgen.server import LiveServer
 from loraplex.server.errors import MAX_ECHO_BYTES
@@ -30,15 +28,7 @@ from loraplex.server.protocol import (
     CompletionRequest,
 )
 from loraplex.server.request_body import BodyParser
-from loraplex.server.responses import (
-    MIN_LOGPROB,
-    ChoiceState,
-    ResponseMeta,
-    chat_logprobs,
-    chunk,
-    text_logprobs,
-    whole_response,
-)
+from loraplex.server.served_request import MIN_LOGPROB, finite_logprobs
 from tests.support.bystanders import MALLORY_KEY, Bystanders, base_model
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -47,44 +37,32 @@ CHAT = [{"role": "user", "content": "Hi"}]
 # --- logprobs on the wire (unit) ------------------------------------------------------------
 
 
-class _Tokenizer:
-    def decode(self, ids: list[int]) -> str:
-        return f"t{ids[0]}"
-
-
 def _position(values: dict[int, float]) -> dict[int, Any]:
-    return {
-        token: types.SimpleNamespace(logprob=value, rank=rank, decoded_token=None)
-        for rank, (token, value) in enumerate(values.items(), start=1)
-    }
+    from vllm.logprobs import Logprob
 
-
-POISONED = [
-    _position({1: math.nan, 2: math.inf, 3: -math.inf}),
-    _position({2: math.inf, 1: math.nan}),
-    _position({3: -math.inf, 1: -0.5}),
-]
+    return {token: Logprob(value, rank, None) for rank, (token, value) in
+            enumerate(values.items(), start=1)}  # fmt: skip
 
 
 def test_nan_and_infinite_logprobs_go_out_as_finite_numbers() -> None:
-    """A batch poisoned by a broken adapter gives NaN logprobs: the wire carries MIN_LOGPROB
-    for NaN and -inf (no probability to report) and 0 for +inf (no log-probability is above
-    it), in whole responses and stream chunks alike, as strict JSON."""
-    ids = [1, 2, 3]
-    chat = chat_logprobs(_Tokenizer(), ids, POISONED, top=3)
-    assert [e["logprob"] for e in chat] == [MIN_LOGPROB, 0.0, MIN_LOGPROB]
-    assert [t["logprob"] for t in chat[0]["top_logprobs"]] == [MIN_LOGPROB, 0.0, MIN_LOGPROB]
-    text = text_logprobs(_Tokenizer(), ids, POISONED, top=2, offset=0)
-    assert text["token_logprobs"] == [MIN_LOGPROB, 0.0, MIN_LOGPROB]
-    assert text["top_logprobs"][2] == {"t3": MIN_LOGPROB, "t1": -0.5}
-    for kind, logprobs in (("chat", chat), ("text", text)):
-        meta = ResponseMeta(kind=kind, id="x", model="m")  # type: ignore[arg-type]
-        state = ChoiceState(0, text="abc", token_count=3, finish_reason="length")
-        state.logprobs = logprobs
-        whole = whole_response(meta, [state], prompt_tokens=2)
-        # Starlette renders whole responses with allow_nan=False (a NaN was a 500 there).
-        assert json.loads(JSONResponse(whole).body) == whole
-        json.dumps(chunk(meta, 0, "abc", None, logprobs), allow_nan=False)
+    """A batch poisoned by a broken adapter gives NaN logprobs: before vLLM's response builder
+    sees them (whole responses and stream chunks alike) they are MIN_LOGPROB for NaN and -inf (no
+    probability to report) and 0 for +inf (no log-probability is above it), so the wire carries
+    strict JSON; in both of vLLM's forms (a dict per position, FlatLogprobs)."""
+    from vllm.logprobs import FlatLogprobs
+
+    values = [{1: math.nan, 2: math.inf, 3: -math.inf}, {2: math.inf, 1: math.nan},
+              {3: -math.inf, 1: -0.5}]  # fmt: skip
+    listed = [_position(v) for v in values]
+    flat = FlatLogprobs()
+    for position in listed:
+        flat.append(position)
+    finite_logprobs(listed)
+    finite_logprobs(flat)
+    for form in (listed, flat):
+        got = [[lp.logprob for lp in position.values()] for position in form]
+        assert got == [[MIN_LOGPROB, 0.0, MIN_LOGPROB], [0.0, MIN_LOGPROB], [MIN_LOGPROB, -0.5]]
+        json.dumps(got, allow_nan=False)
 
 
 # --- the body parser (unit: a real worker process) -------------------------------------------
@@ -166,7 +144,8 @@ def _chat(base: str, **fields: Any) -> dict[str, Any]:
         ("chat", {"model": "m" * 257}, "model", "at most 256 characters"),
         ("text", {"prompt": [1] * 2049}, "prompt", "the context holds at most 2048"),
         ("text", {"prompt": [[1] * 2049]}, "prompt", "the context holds at most 2048"),
-        ("text", {"prompt": [10**30]}, "prompt", "token ids must be in [0, 49152)"),
+        ("text", {"prompt": [10**30]}, "prompt", "token ids must be in [0, 2147483647]"),
+        ("text", {"prompt": [49152]}, "prompt", "token ids must be in [0, 49152)"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )  # fmt: skip

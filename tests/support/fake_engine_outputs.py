@@ -18,4 +18,4 @@ def output(last: bool) -> types.SimpleNamespace:
     out = types.SimpleNamespace(
         index=0, token_ids=[5], text="x", logprobs=None, finish_reason="length" if last else None
     )
-    return types.SimpleNamespace(finished=last, outputs=[out])
+    return types.SimpleNamespace(finished=last, outputs=[out], prompt_logprobs=None)
