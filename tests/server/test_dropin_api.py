@@ -556,14 +556,16 @@ def test_same_seeded_samples_as_vllms_server_under_the_generation_config(
     theirs = openai.OpenAI(base_url=vllm_server + "/v1", api_key="unused", max_retries=0)
     ours = client
 
-    def sample(api: openai.OpenAI, prompt: str, **extra: Any) -> str:
+    def sample(api: openai.OpenAI, prompt: str, **extra: Any) -> list[str]:
+        """The reply's tokens (as their logprobs entries name them)."""
         reply = api.chat.completions.create(
-            model=HUB_ID, messages=user(prompt), max_tokens=24, seed=7, **extra
+            model=HUB_ID, messages=user(prompt), max_tokens=24, seed=7, logprobs=True, **extra
         )
-        return reply.choices[0].message.content or ""
+        return [t.token for t in reply.choices[0].logprobs.content or []]  # type: ignore[union-attr]
 
     for prompt in PARITY_PROMPTS:
-        assert sample(ours, prompt) == sample(theirs, prompt), prompt
+        tokens = sample(ours, prompt)
+        assert tokens and tokens == sample(theirs, prompt), prompt
     # The defaults are the generation config's: vLLM's neutral sampling differs somewhere.
     neutral = {"temperature": 1.0, "top_p": 1.0, "extra_body": {"top_k": -1}}
     assert any(sample(ours, p) != sample(ours, p, **neutral) for p in PARITY_PROMPTS)
