@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from bench.loadgen.server import ServerProcess
+
+# Triton's interpreter (no CUDA GPU here) is chosen when a kernel is decorated, for ours and for
+# vLLM's Triton helpers that ours call alike. So it must be chosen before any test module is
+# imported: modules outside tests/kernels (the e2e bench's tests, through vLLM's LoRA loader)
+# import vLLM's Triton functions while the suite is collected, and kernels interpreted later
+# then failed calling them ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The embedded server used by the API tests. fp32 so greedy tokens can be compared with
 # transformers + PEFT in fp32 (vLLM on CPU computes a bf16 checkpoint in bf16 otherwise).
