@@ -142,6 +142,8 @@ def build_serving(
     from vllm.entrypoints.serve.utils.request_logger import RequestLogger
     from vllm.renderers.online_renderer import OnlineRenderer
 
+    from loraplex.server.whole_logprobs import OffLoopLogprobsChat
+
     ns = namespace
     engine: Any = view
     models = OpenAIServingModels(
@@ -188,7 +190,7 @@ def build_serving(
         "enable_log_outputs": ns.enable_log_outputs,
         "enable_log_deltas": ns.enable_log_deltas,
     }
-    chat = OpenAIServingChat(**vllm_compat.accepted_kwargs(OpenAIServingChat, chat_args))
+    chat = OffLoopLogprobsChat(**vllm_compat.accepted_kwargs(OpenAIServingChat, chat_args))
     completion = OpenAIServingCompletion(
         engine,
         models,
