@@ -106,8 +106,8 @@ class Regimes:
         return self.side_stream_eager(pairs) or (capturing and self.side_stream_in_graphs)
 
     def side_stream_eager(self, pairs: int) -> bool:
-        """Whether the MoE LoRA goes on the side stream outside CUDA graphs (inside them it
-        always does): prefill sizes, where the fork's host work is paid back."""
+        """Whether the MoE LoRA goes on the side stream outside CUDA graphs (inside them:
+        `side_stream`): prefill sizes, where the fork's host work is paid back."""
         return pairs >= self.prefill_min_pairs
 
     def prefill(self, pairs: int) -> bool:

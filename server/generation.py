@@ -199,7 +199,9 @@ async def _whole_unless_disconnected(
             if not task.done():
                 task.cancel()
         await asyncio.gather(work, watcher, return_exceptions=True)
-    if work.cancelled() and gw.drain.was_cut(work):
+    # vLLM's whole-response generators catch the cancellation and return a 400 "Client
+    # disconnected", so a cut request ends as a result, not as a cancelled task.
+    if gw.drain.was_cut(work):
         raise ShuttingDown()
     if watcher.done() and not watcher.cancelled():
         return None

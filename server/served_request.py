@@ -8,11 +8,11 @@ Started (by the route before it sends a stream, or by vLLM's first read of a who
 stream), the request is admitted once for all its prompts (tenant quotas and the bounded fair
 queue: 429/503) and a cold adapter's files are fetched to disk (503). Each stream then waits for
 the request's fair turn, the request leases its adapter (after the turn: a queued request holds
-no engine cache slot; generation.py's history says why) and submits with tenancy's priority and
-the leased adapter's `name@version`. A stream the engine guard fails (non-finite logits)
-quarantines the adapter that caused it before the client hears of it. `close` ends it all in
-order: engine requests aborted, lease released, queue slot freed and the processed tokens
-charged.
+no engine cache slot, so requests waiting their turn cannot hold every slot) and submits with
+tenancy's priority and the leased adapter's `name@version`. A stream the engine guard fails
+(non-finite logits) quarantines the adapter that caused it before the client hears of it.
+`close` ends it all in order: engine requests aborted, lease released, queue slot freed and the
+processed tokens charged.
 
 Outputs are always requested as `DELTA`; a whole response's are merged into the one final output
 vLLM's serving object expects (`RequestOutput.add`, as vLLM's own collector merges), so the

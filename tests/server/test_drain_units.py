@@ -94,3 +94,49 @@ def test_the_cut_cancels_what_still_runs_at_drain_s_and_says_so() -> None:
         assert late_task.cancelled() and drain.was_cut(late_task)
 
     asyncio.run(run())
+
+
+def test_a_whole_response_cut_by_the_drain_is_shutting_down_not_client_disconnected() -> None:
+    """vLLM's whole-response generators catch the cancellation and return their own 400 "Client
+    disconnected" (chat and completion serving alike); the cut must still answer 503."""
+    from types import SimpleNamespace
+
+    from loraplex.server.drain import ShuttingDown
+    from loraplex.server.generation import _whole_unless_disconnected
+    from loraplex.server.protocol import ChatCompletionRequest
+
+    class ErrorResponse:  # vLLM's shape, as loraplex.server.vllm_errors.answered reads it
+        def __init__(self, message: str) -> None:
+            self.error = SimpleNamespace(message=message, param=None, code=400)
+
+    class Chat:
+        async def create_chat_completion(self, request: object, raw: object) -> object:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                return ErrorResponse("Client disconnected")
+            return "whole response"
+
+    class StillConnected:
+        async def receive(self) -> dict[str, str]:
+            await asyncio.sleep(30)
+            return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        drain = Drain(0.1)
+        gw = SimpleNamespace(drain=drain, serving=SimpleNamespace(chat=Chat()))
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+        with drain.request():
+            answer = asyncio.ensure_future(
+                _whole_unless_disconnected(StillConnected(), gw, body)  # type: ignore[arg-type]
+            )
+            await asyncio.sleep(0.05)
+            drain.begin()
+            drain.cut()
+            try:
+                await asyncio.wait_for(answer, 5)
+            except ShuttingDown:
+                return
+        raise AssertionError(f"the cut request answered {answer!r} instead of ShuttingDown")
+
+    asyncio.run(run())
