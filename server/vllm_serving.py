@@ -142,8 +142,6 @@ def build_serving(
     from vllm.entrypoints.serve.utils.request_logger import RequestLogger
     from vllm.renderers.online_renderer import OnlineRenderer
 
-    from loraplex.server.whole_logprobs import OffLoopLogprobsChat
-
     ns = namespace
     engine: Any = view
     models = OpenAIServingModels(
@@ -190,7 +188,7 @@ def build_serving(
         "enable_log_outputs": ns.enable_log_outputs,
         "enable_log_deltas": ns.enable_log_deltas,
     }
-    chat = OffLoopLogprobsChat(**vllm_compat.accepted_kwargs(OpenAIServingChat, chat_args))
+    chat = OpenAIServingChat(**vllm_compat.accepted_kwargs(OpenAIServingChat, chat_args))
     completion = OpenAIServingCompletion(
         engine,
         models,

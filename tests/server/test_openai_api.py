@@ -178,30 +178,6 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert all(len(top) == 2 for top in text.choices[0].logprobs.top_logprobs)
 
 
-def test_whole_logprobs_equal_the_streamed_ones_entry_for_entry(client: openai.OpenAI) -> None:
-    """A whole response's logprobs are built by vLLM in a worker thread (whole_logprobs.py); they
-    are the ones the same request streams: every choice, token and ranked alternative."""
-    ask = {"model": BASE, "messages": QUESTION, "max_tokens": 12, "seed": 7, "n": 4}
-    whole = client.chat.completions.create(**ask, logprobs=True, top_logprobs=5)
-    streamed: dict[int, list] = {i: [] for i in range(4)}
-    for chunk in client.chat.completions.create(**ask, logprobs=True, top_logprobs=5, stream=True):
-        for choice in chunk.choices:
-            streamed[choice.index] += choice.logprobs.content if choice.logprobs else []
-
-    def entries(content: list) -> list:
-        return [
-            (e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs], e.logprob)
-            for e in content
-        ]
-
-    assert len(whole.choices) == 4
-    for choice in whole.choices:
-        mine, theirs = entries(choice.logprobs.content), entries(streamed[choice.index])
-        assert len(mine) == 12 and all(len(e[2]) == 5 for e in mine)
-        assert [e[:3] for e in mine] == [e[:3] for e in theirs]
-        assert [e[3] for e in mine] == pytest.approx([e[3] for e in theirs], abs=1e-3)
-
-
 def _error(exc: openai.APIStatusError) -> dict:
     return exc.response.json()["error"]
 
