@@ -10,11 +10,11 @@ import torch
 
 from bench.loadgen.server import ServerProcess
 
-# Triton's interpreter (no CUDA GPU here) is chosen when a kernel is decorated, for ours and for
-# vLLM's Triton helpers that ours call alike. So it must be chosen before any test module is
-# imported: modules outside tests/kernels (the e2e bench's tests, through vLLM's LoRA loader)
-# import vLLM's Triton functions while the suite is collected, and kernels interpreted later
-# then failed calling them ("Cannot call @triton.jit'd outside of the scope of a kernel").
+# Triton's interpreter (no CUDA GPU here) must be chosen before Triton is first imported: a
+# module outside tests/kernels (tests/adapters_registry/test_lease_order.py, through the server
+# and vLLM) imports Triton while the suite is collected, and the kernels interpreted after that
+# failed ("Cannot call @triton.jit'd outside of the scope of a kernel"). So it is chosen here,
+# before any test module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
