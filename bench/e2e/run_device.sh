@@ -33,16 +33,7 @@ commit=$1
 shift
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 
-server_wheels() {  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
-  for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
-    botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
-    markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
-    dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
-    prometheus_client:prometheus_client; do
-    python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
-      --no-deps --target /tmp/site .gpu/p6/"${pair#*:}"-*.whl
-  done
-}
+source bench/e2e/server_wheels.sh
 for mode in "$@"; do
   log="$OUT/e2e_$mode.log"
   case "$mode" in
@@ -63,18 +54,18 @@ for mode in "$@"; do
       python3 bench/e2e/bench_e2e.py poison-compare --commit "$commit" --out "$OUT" 2>&1 \
         | tee -a "$log" ;;
     wheels)
-      server_wheels
+      server_wheels /tmp/site
       continue ;;
     serve-tp)
-      server_wheels
+      server_wheels /tmp/site
       timeout 560 python3 -m bench.e2e.serve_tp --commit "$commit" --out "$OUT" \
         --install /tmp/site >"$log" 2>&1 ;;
     serve-*)
-      server_wheels
+      server_wheels /tmp/site
       timeout 560 python3 -m bench.e2e.serve_e2e --modes "${mode#serve-}" --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1 ;;
     guard-gpu|guard-gpu-*)
-      server_wheels
+      server_wheels /tmp/site
       select=()
       [ "$mode" != guard-gpu ] && select=(-k "${mode#guard-gpu-}")
       timeout 560 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu \

@@ -73,16 +73,7 @@ serve() {
     --out "$work" --install "$site" --requests 32 --start-timeout "$left"
 }
 
-serve_deps() {  # the server's dependencies the device lacks, from wheels carried in .gpu/p6
-  for pair in pydantic_settings:pydantic_settings dotenv:python_dotenv boto3:boto3 \
-    botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
-    markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
-    dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
-    prometheus_client:prometheus_client; do
-    python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
-      --no-deps --target "$site" .gpu/p6/"${pair#*:}"-*.whl
-  done
-}
+source bench/e2e/server_wheels.sh
 
 qwen=(--model qwen3-30b-a3b)
 oss=(--model gpt-oss-20b)
@@ -118,7 +109,7 @@ case "$part" in
     bench check-plugin-graphs-tp2 180 check-plugin-graphs --tp 2
     bench check-base-graphs-tp2 150 check-base-graphs --tp 2 ;;
   d | f)
-    serve_deps
+    server_wheels "$site"
     model=("${qwen[@]}")
     [ "$part" = f ] && model=("${oss[@]}")
     (export CUDA_VISIBLE_DEVICES=0
