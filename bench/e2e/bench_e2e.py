@@ -49,6 +49,7 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 import tomllib
 from collections.abc import Callable
@@ -110,7 +111,9 @@ def run_workload(ns: argparse.Namespace) -> dict:
         plugin_on = os.environ[ENV_SWITCH] == "1"
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8,
                   additional_config=compile_cache_config(plugin_on))  # fmt: skip
-    prof_dir = Path(f"/tmp/e2e_prof_{ns.mode}_{ns.profile}")
+    # A folder of this run's own: runs side by side on two GPUs, or one after another, would
+    # otherwise read each other's traces.
+    prof_dir = Path(tempfile.mkdtemp(prefix=f"e2e_prof_{ns.mode}_{ns.profile}_"))
     if ns.profile:
         # Decode: skip the few engine iterations that prefill 16 x 1600 tokens, then 20 steps.
         # Prefill: every iteration of one 16-prompt, 1-token generate.

@@ -15,6 +15,10 @@
 #   f  through the server, GPT-OSS shape (as d)
 #   v  decode variants under A/B (LORAPLEX_DECODE_VARIANT, docs/kernels.md), Qwen3 shape, 3 reps:
 #      plugin, then both variants on GPU 0 | each variant alone on GPU 1 (base: part a's row)
+#   g  decode anatomy and the variants on both shapes, each with a decode-step profile: GPT-OSS
+#      base, plugin, plugin with both variants on GPU 0 | the same for Qwen3 on GPU 1
+#   k  n-gram speculative decoding, plugin and base, on GPU 0 | the GPU kernel tests on GPU 1
+#      (pytest-xdist; carry .whl); then the TP=2 check, plugin in graphs against stock
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
 # a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
@@ -133,8 +137,39 @@ case "$part" in
       (export LORAPLEX_DECODE_VARIANT=dense_fused
         bench plugin-qwen-dense_fused 260 plugin "${qwen[@]}")) &
     wait ;;
+  g)
+    prof=(--profile decode)
+    both=dense_fused,moe_inline
+    (export CUDA_VISIBLE_DEVICES=0
+      bench base-oss 200 base "${oss[@]}" "${prof[@]}"
+      bench plugin-oss 170 plugin "${oss[@]}" "${prof[@]}"
+      (export LORAPLEX_DECODE_VARIANT=$both
+        bench plugin-oss-both 190 plugin "${oss[@]}" "${prof[@]}")) &
+    (export CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=/tmp/vllm_cache_gpu1
+      bench plugin-qwen 200 plugin "${qwen[@]}" "${prof[@]}"
+      (export LORAPLEX_DECODE_VARIANT=$both
+        bench plugin-qwen-both 160 plugin "${qwen[@]}" "${prof[@]}")
+      bench base-qwen 200 base "${qwen[@]}" "${prof[@]}") &
+    wait ;;
+  k)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" .whl/*.whl
+    (export CUDA_VISIBLE_DEVICES=0
+      for spec in "" ngram; do
+        for m in check-plugin-graphs check-base-graphs; do
+          bench "$m${spec:+-$spec}" 120 "$m" ${spec:+--spec $spec}
+        done
+      done) &
+    (export CUDA_VISIBLE_DEVICES=1
+      engine kernel-tests 330 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu \
+        -n 12 tests/kernels
+      tail -n 3 "$work/kernel-tests.log" | tee -a "$report") &
+    wait
+    export CUDA_VISIBLE_DEVICES=0,1
+    bench check-stock-tp2 90 check-stock --tp 2
+    bench check-plugin-graphs-tp2 150 check-plugin-graphs --tp 2 ;;
   *)
-    echo "unknown part $part (a b c d e f v)" >&2
+    echo "unknown part $part (a b c d e f g k v)" >&2
     exit 2 ;;
 esac
 
