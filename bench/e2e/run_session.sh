@@ -17,7 +17,9 @@
 #      plugin, then both variants on GPU 0 | each variant alone on GPU 1 (base: part a's row)
 #   g  decode anatomy and the variants on both shapes, each with a decode-step profile: GPT-OSS
 #      base, plugin, plugin with both variants on GPU 0 | the same for Qwen3 on GPU 1
-#   k  n-gram speculative decoding, plugin and base, on GPU 0 | the GPU kernel tests on GPU 1
+#   x  GPT-OSS base, plugin, plugin with both variants on GPU 0 | Qwen3 plugin, plugin with both
+#      variants (decode-step profiles) on GPU 1: the variants' A/B and the ratio on both shapes
+#   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU kernel tests on GPU 1
 #      (pytest-xdist; carry .whl); then the TP=2 check, plugin in graphs against stock
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
@@ -151,17 +153,28 @@ case "$part" in
         bench plugin-qwen-both 160 plugin "${qwen[@]}" "${prof[@]}")
       bench base-qwen 200 base "${qwen[@]}" "${prof[@]}") &
     wait ;;
+  x)
+    both=dense_fused,moe_inline
+    (export CUDA_VISIBLE_DEVICES=0
+      bench base-oss 230 base "${oss[@]}"
+      bench plugin-oss 180 plugin "${oss[@]}"
+      (export LORAPLEX_DECODE_VARIANT=$both
+        bench plugin-oss-both 150 plugin "${oss[@]}")) &
+    (export CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=/tmp/vllm_cache_gpu1
+      bench plugin-qwen 250 plugin "${qwen[@]}" --profile decode
+      (export LORAPLEX_DECODE_VARIANT=$both
+        bench plugin-qwen-both 220 plugin "${qwen[@]}" --profile decode)) &
+    wait ;;
   k)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$site" .whl/*.whl
+    # The plugin with and without speculation (greedy agreement), base with it (step time).
     (export CUDA_VISIBLE_DEVICES=0
-      for spec in "" ngram; do
-        for m in check-plugin-graphs check-base-graphs; do
-          bench "$m${spec:+-$spec}" 120 "$m" ${spec:+--spec $spec}
-        done
-      done) &
+      bench check-plugin-graphs 110 check-plugin-graphs
+      bench check-plugin-graphs-ngram 110 check-plugin-graphs --spec ngram
+      bench check-base-graphs-ngram 80 check-base-graphs --spec ngram) &
     (export CUDA_VISIBLE_DEVICES=1
-      engine kernel-tests 330 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu \
+      engine kernel-tests 290 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu \
         -n 12 tests/kernels
       tail -n 3 "$work/kernel-tests.log" | tee -a "$report") &
     wait
@@ -169,7 +182,7 @@ case "$part" in
     bench check-stock-tp2 90 check-stock --tp 2
     bench check-plugin-graphs-tp2 150 check-plugin-graphs --tp 2 ;;
   *)
-    echo "unknown part $part (a b c d e f g k v)" >&2
+    echo "unknown part $part (a b c d e f g k v x)" >&2
     exit 2 ;;
 esac
 

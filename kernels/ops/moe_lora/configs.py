@@ -12,6 +12,7 @@ GPU or shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
@@ -157,14 +158,30 @@ def _serves_block(config: MoeLoraConfig, block_m: int) -> bool:
 def lookup(
     gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int, block_m: int | None = None
 ) -> MoeLoraConfig:
-    """The tuned config nearest to num_pairs for this GPU and shape (in the sorted form, among
-    those that serve `block_m`), else the fallback."""
-    tuned = _load(gpu_name).get(key.text(), {})
+    """The tuned config nearest to num_pairs for this GPU and shape (`tuned_entries`; in the
+    sorted form, among those that serve `block_m`), else the fallback."""
+    tuned = tuned_entries(_load(gpu_name), key)
     if block_m is not None:
         tuned = {p: c for p, c in tuned.items() if _serves_block(c, block_m)}
     if not tuned:
         return fallback_config(key, num_pairs, sm_count)
     return tuned[_log_nearest(tuned, max(num_pairs, 1))]
+
+
+def tuned_entries(
+    shapes: dict[str, dict[int, MoeLoraConfig]], key: ShapeKey
+) -> dict[int, MoeLoraConfig]:
+    """The entries tuned for `key`. A one-slice key with none of its own and an even N takes
+    those of the two-slice key of N/2: vLLM's 3D MoE-LoRA layout (`FusedMoE3DWithLoRA`, which
+    serves GPT-OSS) makes the gate/up call with one A and one B of 2 x I rows, gate and up
+    interleaved, where the 2D layout has two of each; the expand covers the same columns per
+    pair, the shrink half the products. On the H200 that call got the fallback, and its expand
+    took 45.7 us a layer at 16 decode tokens (GPT-OSS shape, e2e profile at f0f8dcd)."""
+    if own := shapes.get(key.text()):
+        return own
+    if key.slices == 1 and key.n % 2 == 0:
+        return shapes.get(dataclasses.replace(key, n=key.n // 2, slices=2).text(), {})
+    return {}
 
 
 def _log_nearest(entries: Collection[int], num_pairs: int) -> int:

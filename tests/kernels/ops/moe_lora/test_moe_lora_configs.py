@@ -95,3 +95,35 @@ def test_lookup_takes_the_log_nearest_entry_and_the_larger_at_a_tie(
     assert configs.lookup("Test GPU", key, 2047, 132) == small
     assert configs.lookup("Test GPU", key, 2048, 132) == large  # 1,024 and 4,096 equally near
     assert configs.lookup("Test GPU", key, 0, 132) == small  # no pairs: as one
+
+
+def test_the_3d_gate_up_call_takes_the_two_slice_entries_of_half_its_width(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-OSS's gate/up LoRA comes as one slice of 2 x I columns (vLLM's 3D layout): it takes
+    the two-slice entries of I, never another one-slice shape's; a one-slice key with entries
+    of its own keeps them; an odd width or no twin gets the fallback."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    two = ShapeKey(2880, 2880, 2, 32, 32, 4, False, "torch.bfloat16")
+    down = ShapeKey(2880, 2880, 1, 32, 32, 4, False, "torch.bfloat16")
+    gemv = MoeLoraConfig("split", 128, 256, split_k=8, gemv_expand=True)
+    other = MoeLoraConfig("split", 128, 1024, split_k=8, gemv_shrink=True, gemv_expand=True)
+    configs.write_configs("Test GPU", {two.text(): {64: gemv}, down.text(): {64: other}})
+    gate_up_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, False, "torch.bfloat16")
+    assert configs.lookup("Test GPU", gate_up_3d, 64, 132) == gemv
+    assert configs.lookup("Test GPU", down, 64, 132) == other
+    odd = ShapeKey(2880, 5761, 1, 32, 32, 4, False, "torch.bfloat16")
+    assert configs.lookup("Test GPU", odd, 64, 132) == configs.fallback_config(odd, 64, 132)
+    sorted_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, True, "torch.bfloat16")
+    assert configs.lookup("Test GPU", sorted_3d, 64, 132) == configs.fallback_config(
+        sorted_3d, 64, 132
+    )
+
+
+def test_the_h200_file_serves_gpt_oss_3d_gate_up_tuned_entries() -> None:
+    """The committed H200 file: GPT-OSS's gate/up call as vLLM 0.26 makes it (one slice of
+    5,760 columns) gets a GEMV expand at 16 decode tokens, not the fallback's tl.dot tiles."""
+    gate_up_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, False, "torch.bfloat16")
+    config = configs.lookup("NVIDIA H200", gate_up_3d, 64, 132)
+    assert config.gemv_expand
+    assert config != configs.fallback_config(gate_up_3d, 64, 132)
