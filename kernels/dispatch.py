@@ -13,14 +13,7 @@ candidates a batch gets).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-
-# Decode variants under A/B on the GPU (docs/kernels.md, "Decode variants"): a comma-separated
-# list of DECODE_VARIANTS' names, read once, here, into REGIMES. vLLM's processes inherit it.
-DECODE_VARIANT_ENV = "LORAPLEX_DECODE_VARIANT"
-DECODE_VARIANTS = ("dense_fused", "moe_inline")
 
 
 @dataclass(frozen=True)
@@ -50,14 +43,11 @@ class Regimes:
     small_blocks: tuple[tuple[int, int], ...] = ((8, 16), (16, 32), (32, 64))
     # Prefill sizes start here (vLLM 0.26 captures decode graphs up to 512 tokens, 4,096 pairs at
     # top-8): PDL through it and not past it (at 204,800 pairs PDL cost 2-8%), the MoE LoRA beside
-    # the base GEMMs eagerly from it (the fork's host work pays off there: prefill 0.4381 ->
-    # 0.4327 s), and the tuner's prefill candidates from it.
+    # the base GEMMs from it (the fork's host work pays off there: prefill 0.4381 -> 0.4327 s;
+    # below it, CUDA graphs included, in order on the main stream: GPT-OSS decode 181.26 ->
+    # 211.32 tok/s per request with the dense LoRA in one launch, docs/kernels.md), and the
+    # tuner's prefill candidates from it.
     prefill_min_pairs: int = 8192
-    # Decode variants (DECODE_VARIANT_ENV), both off by default: the dense LoRA's decode form in
-    # one launch (`lora_dense_fused`) instead of two; the MoE LoRA inside CUDA graphs (decode
-    # sizes) on the main stream, in order, instead of beside the base GEMMs.
-    dense_fused: bool = False
-    side_stream_in_graphs: bool = True
 
     def dense_gemv(self, tokens: int) -> bool:
         """Whether a dense LoRA call of `tokens` tokens takes our GEMVs (else our tiled kernels)."""
@@ -99,15 +89,9 @@ class Regimes:
         programs that launch early hold SM slots the shrink needs."""
         return pairs <= self.prefill_min_pairs
 
-    def side_stream(self, pairs: int, capturing: bool) -> bool:
-        """Whether the MoE LoRA of `pairs` pairs goes on the side stream: eagerly at prefill
-        sizes (`side_stream_eager`), and while a CUDA graph is being captured unless the
-        moe_inline variant keeps it on the main stream."""
-        return self.side_stream_eager(pairs) or (capturing and self.side_stream_in_graphs)
-
-    def side_stream_eager(self, pairs: int) -> bool:
-        """Whether the MoE LoRA goes on the side stream outside CUDA graphs (inside them:
-        `side_stream`): prefill sizes, where the fork's host work is paid back."""
+    def side_stream(self, pairs: int) -> bool:
+        """Whether the MoE LoRA of `pairs` pairs goes on the side stream beside the base GEMMs:
+        prefill sizes, where the fork's host work is paid back."""
         return pairs >= self.prefill_min_pairs
 
     def prefill(self, pairs: int) -> bool:
@@ -115,18 +99,4 @@ class Regimes:
         return pairs >= self.prefill_min_pairs
 
 
-def regimes_for(environ: Mapping[str, str]) -> Regimes:
-    """The table with the decode variants named in environ[DECODE_VARIANT_ENV] (unset or empty:
-    none). Raises ValueError naming the unknown names and the known ones."""
-    raw = environ.get(DECODE_VARIANT_ENV, "")
-    names = {part.strip() for part in raw.split(",") if part.strip()}
-    if unknown := sorted(names - set(DECODE_VARIANTS)):
-        raise ValueError(
-            f"{DECODE_VARIANT_ENV}={raw!r}: unknown {unknown}; known: {list(DECODE_VARIANTS)}"
-        )
-    return Regimes(
-        dense_fused="dense_fused" in names, side_stream_in_graphs="moe_inline" not in names
-    )
-
-
-REGIMES = regimes_for(os.environ)
+REGIMES = Regimes()

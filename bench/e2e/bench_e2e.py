@@ -69,7 +69,6 @@ from bench.e2e.shapes import (
     make_model,
 )
 from bench.e2e.traces import summarize_traces
-from loraplex.kernels.dispatch import DECODE_VARIANT_ENV
 from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -642,17 +641,12 @@ def main() -> None:
     # runs that differ only there can be told apart.
     if lora_env := {k: v for k, v in os.environ.items() if k.startswith("VLLM_LORA_")}:
         row["vllm_lora_env"] = lora_env
-    # The plugin's decode variant under A/B (run_session.sh part v), inherited likewise.
-    variant = os.environ.get(DECODE_VARIANT_ENV, "")
-    if variant:
-        row["variant"] = variant
     # The engine core in this process (host profiles, or set by hand to see whether requests
     # reaching a separate engine core one by one split a prefill into more steps).
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         row["engine_in_process"] = True
     tp = f"-tp{ns.tp}" if ns.tp > 1 else ""
     name = label if model == "check" else f"{ns.mode}-{model}{tp}"
-    name += "".join(f"-{part.strip()}" for part in variant.split(",") if part.strip())
     (ns.out / f"e2e_{name}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 

@@ -14,7 +14,7 @@ gave in `reference` (batch compositions are the same, only x's values differ).
 The batches cover steps with an adapter beside base-model requests, steps where only base
 requests are left (x's requests stop first), and later batches without x: short prompts (CUDA
 graphs in the graph modes), and long ones whose base-only prefill (4 x 640 tokens, 10,240
-pairs) the plugin would run beside the GEMMs eagerly (`REGIMES.side_stream_eager`,
+pairs) the plugin would run beside the GEMMs eagerly (`REGIMES.side_stream`,
 kernels/dispatch.py).
 """
 

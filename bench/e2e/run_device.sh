@@ -3,7 +3,7 @@
 #   bash bench/e2e/run_device.sh COMMIT MODE...
 #   MODE: check | poison | poison-{stock,plugin,stock-graphs,plugin-graphs} | base | stock | plugin
 #         | prefill-base | prefill-stock | prefill-plugin | host-base | host-plugin | serve-plugin
-#         | serve-stock | serve-tp | variant-NAME[+NAME] | guard-gpu | guard-gpu-moe
+#         | serve-stock | serve-tp | guard-gpu | guard-gpu-moe
 #         | guard-gpu-dense | wheels
 # check: greedy tokens on a small real-weight MoE, stock vLLM eager against the plugin eager and
 # CUDA graphs per adapter count with and without the plugin (bench_e2e.py);
@@ -20,8 +20,6 @@
 # -d .gpu/p6 and the modules the loop below names); serve-tp (2 GPUs): greedy tokens through
 # loraplex's server at tensor_parallel_size 2 against 1, base and adapters, plugin on
 # (serve_tp.py).
-# variant-NAME: the plugin mode with LORAPLEX_DECODE_VARIANT=NAME (kernels/dispatch.py; several
-# joined by +), its row with a `variant` field (run_session.sh part v runs the A/B).
 # guard-gpu: tests/server/test_engine_guard_gpu.py (4 engines; -moe or -dense: that model's 2,
 # e.g. one per GPU), which imports the server (carry .gpu/p6 as for serve-*); prints its
 # GUARD-GPU lines (per case and sequence: positions compared, tie flips, differences, the
@@ -83,11 +81,6 @@ for mode in "$@"; do
     prefill-*)
       timeout 480 python3 bench/e2e/bench_e2e.py "${mode#prefill-}" --profile prefill --reps 1 \
         --commit "$commit" --out "$OUT/$mode" --install /tmp/site >"$log" 2>&1 ;;
-    variant-*)
-      log="$OUT/e2e_${mode//[^A-Za-z0-9_-]/-}.log"
-      LORAPLEX_DECODE_VARIANT=$(echo "${mode#variant-}" | tr + ,) timeout 480 python3 \
-        bench/e2e/bench_e2e.py plugin --profile decode --commit "$commit" --out "$OUT" \
-        --install /tmp/site >"$log" 2>&1 ;;
     *)
       timeout 480 python3 bench/e2e/bench_e2e.py "$mode" --profile decode --commit "$commit" \
         --out "$OUT" --install /tmp/site >"$log" 2>&1

@@ -13,12 +13,8 @@
 #   d  through the server, Qwen3 shape: loraplex + plugin | vLLM's own server, base and stock
 #   e  decode at TP=2, Qwen3 shape, base + plugin (2 reps)
 #   f  through the server, GPT-OSS shape (as d)
-#   v  decode variants under A/B (LORAPLEX_DECODE_VARIANT, docs/kernels.md), Qwen3 shape, 3 reps:
-#      plugin, then both variants on GPU 0 | each variant alone on GPU 1 (base: part a's row)
-#   g  decode anatomy and the variants on both shapes, each with a decode-step profile: GPT-OSS
-#      base, plugin, plugin with both variants on GPU 0 | the same for Qwen3 on GPU 1
-#   x  GPT-OSS base, plugin, plugin with both variants on GPU 0 | Qwen3 plugin, plugin with both
-#      variants (decode-step profiles) on GPU 1: the variants' A/B and the ratio on both shapes
+#   g  decode anatomy: base and plugin with a decode-step profile each, GPT-OSS shape on GPU 0 |
+#      Qwen3 shape on GPU 1 (a profiled run takes ~60 s more than a plain one)
 #   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU kernel tests on GPU 1
 #      (pytest-xdist; carry .whl); then the TP=2 check, plugin in graphs against stock
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
@@ -127,43 +123,14 @@ case "$part" in
     export CUDA_VISIBLE_DEVICES=0,1
     bench base-qwen-tp2 280 base "${qwen[@]}" --tp 2 --reps 2
     bench plugin-qwen-tp2 290 plugin "${qwen[@]}" --tp 2 --reps 2 ;;
-  v)
-    (export CUDA_VISIBLE_DEVICES=0
-      bench plugin-qwen 300 plugin "${qwen[@]}"
-      (export LORAPLEX_DECODE_VARIANT=dense_fused,moe_inline
-        bench plugin-qwen-both 260 plugin "${qwen[@]}")) &
-    # GPU 1 compiles into a cache of its own: both GPUs compile the same config at once.
-    (export CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=/tmp/vllm_cache_gpu1
-      (export LORAPLEX_DECODE_VARIANT=moe_inline
-        bench plugin-qwen-moe_inline 300 plugin "${qwen[@]}")
-      (export LORAPLEX_DECODE_VARIANT=dense_fused
-        bench plugin-qwen-dense_fused 260 plugin "${qwen[@]}")) &
-    wait ;;
   g)
     prof=(--profile decode)
-    both=dense_fused,moe_inline
     (export CUDA_VISIBLE_DEVICES=0
-      bench base-oss 200 base "${oss[@]}" "${prof[@]}"
-      bench plugin-oss 170 plugin "${oss[@]}" "${prof[@]}"
-      (export LORAPLEX_DECODE_VARIANT=$both
-        bench plugin-oss-both 190 plugin "${oss[@]}" "${prof[@]}")) &
+      bench base-oss 270 base "${oss[@]}" "${prof[@]}"
+      bench plugin-oss 270 plugin "${oss[@]}" "${prof[@]}") &
     (export CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=/tmp/vllm_cache_gpu1
-      bench plugin-qwen 200 plugin "${qwen[@]}" "${prof[@]}"
-      (export LORAPLEX_DECODE_VARIANT=$both
-        bench plugin-qwen-both 160 plugin "${qwen[@]}" "${prof[@]}")
-      bench base-qwen 200 base "${qwen[@]}" "${prof[@]}") &
-    wait ;;
-  x)
-    both=dense_fused,moe_inline
-    (export CUDA_VISIBLE_DEVICES=0
-      bench base-oss 230 base "${oss[@]}"
-      bench plugin-oss 180 plugin "${oss[@]}"
-      (export LORAPLEX_DECODE_VARIANT=$both
-        bench plugin-oss-both 150 plugin "${oss[@]}")) &
-    (export CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=/tmp/vllm_cache_gpu1
-      bench plugin-qwen 250 plugin "${qwen[@]}" --profile decode
-      (export LORAPLEX_DECODE_VARIANT=$both
-        bench plugin-qwen-both 220 plugin "${qwen[@]}" --profile decode)) &
+      bench base-qwen 270 base "${qwen[@]}" "${prof[@]}"
+      bench plugin-qwen 270 plugin "${qwen[@]}" "${prof[@]}") &
     wait ;;
   k)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -182,7 +149,7 @@ case "$part" in
     bench check-stock-tp2 90 check-stock --tp 2
     bench check-plugin-graphs-tp2 150 check-plugin-graphs --tp 2 ;;
   *)
-    echo "unknown part $part (a b c d e f g k v x)" >&2
+    echo "unknown part $part (a b c d e f g k)" >&2
     exit 2 ;;
 esac
 

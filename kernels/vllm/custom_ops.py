@@ -114,7 +114,6 @@ def define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) ->
         return torch.ops.loraplex.lora_linear
     from loraplex.kernels.ops.lora_dense.op import (
         UnsupportedDenseCall,
-        lora_dense,
         lora_dense_fused,
     )
     from loraplex.kernels.ops.lora_dense.tiled import lora_dense_tiled
@@ -138,8 +137,7 @@ def define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) ->
             return
         try:
             if REGIMES.dense_gemv(x.shape[0]):
-                decode = lora_dense_fused if REGIMES.dense_fused else lora_dense
-                decode(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
+                lora_dense_fused(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
             else:
                 lora_dense_tiled(
                     y, x, lora_a, lora_b, scale, token_indices_sorted_by_lora_ids,

@@ -14,13 +14,11 @@ swapped slices, steps without adapters (`_batch_has_adapters`), calls our op dec
 kernel then adds as before), and activations other than plain SiLU, before which the deferred
 expand is launched unfused.
 
-At prefill sizes and in CUDA graphs both LoRAs run on a side stream beside the base GEMMs
-(`side_stream`): the gate/up LoRA's routing and shrink from `apply`'s entry, which
-marks its inputs ready (so `apply` is patched too), and the down LoRA from the moment the
-activation's output is ready, its delta added by `moe_sum` (the side-stream module supplies
-those two methods). The gate/up expand stays fused into SiLU-and-mul in graphs too: launched
-beside the GEMM instead, into a delta, the e2e decode ran at 66.2 tok/s per request against
-67.0 fused (H200; docs/kernels.md).
+At prefill sizes both LoRAs run on a side stream beside the base GEMMs (`side_stream`): the
+gate/up LoRA's routing and shrink from `apply`'s entry, which marks its inputs ready (so `apply`
+is patched too), and the down LoRA from the moment the activation's output is ready, its delta
+added by `moe_sum` (the side-stream module supplies those two methods). At decode sizes, CUDA
+graphs included, both run in order on the main stream.
 """
 
 from __future__ import annotations

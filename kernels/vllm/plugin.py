@@ -10,11 +10,11 @@ and logs one line saying what it did:
   slices, rank > 128): the MoE LoRA (`fused_moe_lora`), the dense LoRA (`add_lora_linear`) and
   the sorted routing's align (`punica`, in the forms `kernels/dispatch.py` picks); it builds
   each step's LoRA batch metadata on the host (`batch_metadata`), fuses the gate/up LoRA into
-  vLLM's SiLU-and-mul and runs the MoE LoRA beside the base GEMMs (`fused_experts`,
-  `side_stream`), and warms the LoRA paths up at prefill sizes (`warm_up`). The package
-  docstring lists every vLLM attribute replaced. A GPU worker that runs vLLM's V2 model runner
-  (0.26's default for dense models) puts vLLM's back before it builds the runner, and says so
-  (`runner_guard`: our kernels are built for the V1 runner);
+  vLLM's SiLU-and-mul and runs the MoE LoRA beside the base GEMMs at prefill sizes
+  (`fused_experts`, `side_stream`), and warms the LoRA paths up at prefill sizes (`warm_up`).
+  The package docstring lists every vLLM attribute replaced. A GPU worker that runs vLLM's V2
+  model runner (0.26's default for dense models) puts vLLM's back before it builds the runner,
+  and says so (`runner_guard`: our kernels are built for the V1 runner);
 - switched off, on another vLLM version, or without CUDA it leaves vLLM's kernels in place.
 
 Whatever the switch, vLLM version and platform, it first installs the isolation patches
@@ -105,7 +105,6 @@ def _patch() -> PluginState:
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.v1.worker import gpu_worker
 
-    from loraplex.kernels.dispatch import REGIMES
     from loraplex.kernels.vllm import runner_guard
     from loraplex.kernels.vllm.batch_metadata import update_metadata
     from loraplex.kernels.vllm.custom_ops import (
@@ -153,12 +152,10 @@ def _patch() -> PluginState:
     patch_triton_experts()
     patch_warm_up()
     runner_guard.install(gpu_worker.Worker, kernels, metadata)
-    in_graphs = " and in CUDA graphs" if REGIMES.side_stream_in_graphs else ", in order in graphs"
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
-             "fused into SiLU-and-mul, beside the base GEMMs at prefill%s), "
-             "add_lora_linear (decode in %s), moe_lora_align_block_size and the LoRA "
-             "batch metadata (pid %d)", version, in_graphs,
-             "one launch" if REGIMES.dense_fused else "two launches", os.getpid())  # fmt: skip
+             "fused into SiLU-and-mul, beside the base GEMMs at prefill, in order at decode), "
+             "add_lora_linear, moe_lora_align_block_size and the LoRA batch metadata (pid %d)",
+             version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 

@@ -1,4 +1,4 @@
-"""The MoE LoRA beside vLLM's base GEMMs, on a second CUDA stream (prefill sizes, CUDA graphs).
+"""The MoE LoRA beside vLLM's base GEMMs, on a second CUDA stream (prefill sizes).
 
 For a LoRA batch vLLM 0.26's `TritonExperts.apply` runs on one stream: the base gate/up GEMM,
 the gate/up LoRA, SiLU-and-mul, the base down GEMM into `intermediate_cache3`, the down LoRA
@@ -20,18 +20,12 @@ there (our op undeferred, or vLLM's) first makes the side stream wait for the GE
 this took the 16 x 1600-token prefill from 0.4381 to 0.4326 and 0.4327 s (bench_e2e.py, same
 machine, median of 9).
 
-Under CUDA-graph capture (vLLM's decode batches) at every size: the host work of the fork and
-the joins is paid once, at capture, and the side stream's kernels become a branch of the graph.
-At decode the base expert GEMMs are bound by HBM reads and the LoRA kernels beside them by
-latency, so they overlap well: on the H200, 16 requests decoding with 8 adapters went from 64.89
-and 64.91 to 67.04 tok/s per request (base 75.72; bench_e2e.py, one machine, medians of 3).
-Kernels that only the side stream launches at decode sizes (the down LoRA into its delta,
-`moe_sum_with_delta`) compile during that capture, at startup, not while serving.
-Run eagerly only at prefill sizes, and in graphs unless the moe_inline decode variant keeps
-decode sizes on the main stream (`REGIMES.side_stream`). Never with an expert map or on
-a step without adapters (`fused_experts` marks nothing ready then), vLLM's own dual-stream
-option or fully sharded LoRA; those keep vLLM's order. Without CUDA (the CPU tests) the same
-steps run in order on the current stream.
+Only at prefill sizes (`REGIMES.side_stream`): at decode sizes, CUDA graphs included, both
+LoRAs run on the main stream in order, the gate/up expand fused into SiLU-and-mul under PDL
+(docs/kernels.md, "Decode: in order"). Never with an expert map or on a step without adapters
+(`fused_experts` marks nothing ready then), vLLM's own dual-stream option or fully sharded LoRA;
+those keep vLLM's order. Without CUDA (the CPU tests) the same steps run in order on the current
+stream.
 """
 
 from __future__ import annotations
@@ -86,11 +80,10 @@ def _wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
 
 
 def _ready_event(t: torch.Tensor, pairs: int) -> tuple[bool, torch.cuda.Event | None]:
-    """(whether work on `pairs` (token, expert) pairs may go beside (`REGIMES.side_stream`: while
-    a CUDA graph is being captured, or run eagerly at prefill sizes); an event on the main stream
-    after the work queued so far, None without CUDA)."""
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not REGIMES.side_stream(pairs, capturing):
+    """(whether work on `pairs` (token, expert) pairs may go beside (`REGIMES.side_stream`:
+    prefill sizes); an event on the main stream after the work queued so far, None without
+    CUDA)."""
+    if not REGIMES.side_stream(pairs):
         return False, None
     if not t.is_cuda:
         return True, None

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from loraplex.kernels.dispatch import DECODE_VARIANT_ENV, REGIMES, Regimes, regimes_for
+from loraplex.kernels.dispatch import REGIMES, Regimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ TABLE = [
 ]
 # fmt: on
 REGIME = {
-    "decode": (True, False, False),  # (PDL, side stream eagerly, tuner's prefill candidates)
+    "decode": (True, False, False),  # (PDL, side stream, tuner's prefill candidates)
     "first prefill": (True, True, True),
     "prefill": (False, True, True),
 }
@@ -83,7 +83,7 @@ def point(shape: str, tokens: int, vllm_block: int, active: int | None) -> Point
 
 
 def forms(batch: Point, regimes: Regimes = REGIMES) -> tuple[object, ...]:
-    """(dense, align, routing, block, PDL, side stream eagerly, prefill candidates) of `batch`."""
+    """(dense, align, routing, block, PDL, side stream, prefill candidates) of `batch`."""
     pairs, experts, slots = batch.pairs, batch.experts, batch.max_loras
     naive = regimes.naive(pairs, experts, slots, batch.vllm_naive, batch.active)
     return (
@@ -92,7 +92,7 @@ def forms(batch: Point, regimes: Regimes = REGIMES) -> tuple[object, ...]:
         "naive" if naive else "sorted",
         regimes.block_m(pairs, experts, slots, batch.vllm_block),
         regimes.pdl(pairs),
-        regimes.side_stream_eager(pairs),
+        regimes.side_stream(pairs),
         regimes.prefill(pairs),
     )
 
@@ -107,39 +107,7 @@ def test_each_point_takes_its_form(row: tuple) -> None:
 
 
 def test_the_three_prefill_boundaries_move_together() -> None:
-    """PDL, the eager side stream and the tuner's prefill candidates all turn at one field."""
+    """PDL, the side stream and the tuner's prefill candidates all turn at one field."""
     moved = dataclasses.replace(REGIMES, prefill_min_pairs=4096)
     regime = {n: forms(point("qwen3", n, 64, None), moved)[4:] for n in (511, 512, 513)}
     assert regime == {511: REGIME["decode"], 512: REGIME["first prefill"], 513: REGIME["prefill"]}
-
-
-def test_decode_variants_default_to_the_served_forms() -> None:
-    assert regimes_for({}) == Regimes()
-    assert regimes_for({DECODE_VARIANT_ENV: ""}) == Regimes()
-    assert not Regimes().dense_fused
-    assert Regimes().side_stream(16 * 8, capturing=True)
-    assert not Regimes().side_stream(16 * 8, capturing=False)
-
-
-@pytest.mark.parametrize(
-    ("value", "dense_fused", "in_graphs"),
-    [
-        ("dense_fused", True, True),
-        ("moe_inline", False, False),
-        (" dense_fused, moe_inline ", True, False),
-    ],
-)
-def test_decode_variants_from_the_environment(
-    value: str, dense_fused: bool, in_graphs: bool
-) -> None:
-    regimes = regimes_for({DECODE_VARIANT_ENV: value})
-    assert (regimes.dense_fused, regimes.side_stream_in_graphs) == (dense_fused, in_graphs)
-    # moe_inline: decode sizes in graphs stay on the main stream; prefill sizes still go beside.
-    assert regimes.side_stream(16 * 8, capturing=True) == in_graphs
-    assert regimes.side_stream(regimes.prefill_min_pairs, capturing=False)
-    assert dataclasses.replace(regimes, dense_fused=False, side_stream_in_graphs=True) == Regimes()
-
-
-def test_an_unknown_decode_variant_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown \['dense_fuse'\]; known: \['dense_fused'"):
-        regimes_for({DECODE_VARIANT_ENV: "dense_fuse"})

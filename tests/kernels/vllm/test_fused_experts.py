@@ -5,7 +5,7 @@ gate/up and the down buffers, as PunicaWrapperGPU does; `activation` is SiLU-and
 GELU-and-mul); `moe_sum` sums each token's experts. `_apply` calls them in `TritonExperts.apply`'s
 order. The kernels are the real ones, interpreted; on the CPU the "side stream" is the current
 one, in order; the gpu-marked tests here run it on a real second stream, eagerly and inside a
-captured CUDA graph."""
+captured CUDA graph, and a decode batch in order on the main stream, eagerly and captured."""
 
 from __future__ import annotations
 
@@ -400,26 +400,23 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
-def test_in_a_cuda_graph_both_loras_run_on_a_second_stream_at_any_size(
+def test_in_a_cuda_graph_prefill_sized_loras_run_on_a_second_stream(
     classes: Any, monkeypatch: pytest.MonkeyPatch, kind: Act
 ) -> None:
-    """Captured as vLLM captures a decode batch, this test's few pairs go beside: the gate/up
-    LoRA and the down LoRA on one second stream, forked from and joined to the capture stream
-    (the capture fails on a fork never joined), with the waits of the eager tests above: the
-    gate/up LoRA sleeps on its stream before its shrink, whose partial products the activation
-    (or, before GELU-and-mul, the expand) reads; GELU-and-mul sleeps before writing the output
-    the down LoRA reads; the down LoRA sleeps before writing its NaN-poisoned delta. A first
-    eager run, beside at any size, compiles every kernel the flow launches."""
+    """Captured as vLLM captures a batch (a graph of prefill size, where capture sizes reach
+    it: this test's few pairs count as one), the gate/up LoRA and the down LoRA go on one
+    second stream, forked from and joined to the capture stream (the capture fails on a fork
+    never joined), with the waits of the eager tests above: the gate/up LoRA sleeps on its
+    stream before its shrink, whose partial products the activation (or, before GELU-and-mul,
+    the expand) reads; GELU-and-mul sleeps before writing the output the down LoRA reads; the
+    down LoRA sleeps before writing its NaN-poisoned delta. A first eager run, beside, compiles
+    every kernel the flow launches."""
 
     def sleep_before_gate_up(experts: StockExperts) -> None:
         experts.w13_sleep_cycles = 50_000_000  # ~25 ms: an activation that did not wait: junk
 
-    with monkeypatch.context() as patch:
-        patch.setattr(side_stream, "REGIMES", BESIDE_AT_ANY_SIZE)
-        _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)
-    eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=5)
-    assert _down_ran_in_order(eager), "run eagerly, a batch this small keeps vLLM's order"
-    assert eager.experts.w13_streams == [torch.cuda.current_stream()]
+    monkeypatch.setattr(side_stream, "REGIMES", BESIDE_AT_ANY_SIZE)
+    _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)
     applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True,
                      configure=sleep_before_gate_up)  # fmt: skip
     torch.cuda.synchronize()
@@ -433,21 +430,22 @@ def test_in_a_cuda_graph_both_loras_run_on_a_second_stream_at_any_size(
 
 
 @pytest.mark.gpu
-def test_in_a_cuda_graph_the_moe_inline_variant_keeps_both_loras_in_order(
-    classes: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
+def test_a_decode_batch_keeps_both_loras_in_order_eagerly_and_in_a_cuda_graph(
+    classes: Any, kind: Act
 ) -> None:
-    """LORAPLEX_DECODE_VARIANT=moe_inline: captured as a decode batch, both LoRAs stay on the
-    capture stream in vLLM's order (the down LoRA added into the GEMM's buffer, vLLM's moe_sum),
+    """A decode batch, run eagerly and captured as vLLM captures it: both LoRAs stay on the
+    main stream in vLLM's order (the down LoRA added into the GEMM's buffer, vLLM's moe_sum),
     the gate/up expand still fused into SiLU-and-mul, the numbers the spec's."""
-    inline = dataclasses.replace(REGIMES, side_stream_in_graphs=False)
-    monkeypatch.setattr(side_stream, "REGIMES", inline)
-    _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, seed=3)  # compiles
-    applied = _apply(classes[0], Act.SILU, device="cuda", dtype=torch.bfloat16, graph=True)
+    eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)  # compiles
+    assert _down_ran_in_order(eager)
+    assert eager.experts.w13_streams == [torch.cuda.current_stream()]
+    applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True)
     torch.cuda.synchronize()
     assert _down_ran_in_order(applied)
     experts = applied.experts
     assert experts.w13_streams == experts.down_streams == [experts.main_stream]
-    assert experts.activations == []  # SiLU: fused
+    assert experts.activations == ([] if kind is Act.SILU else [Act.GELU])  # SiLU: fused
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
 
