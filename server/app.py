@@ -126,6 +126,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.adapter_registry = None
             app.state.tenancy = None
             app.state.body_parser = None
+            scrape.close()
             engine.shutdown()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)

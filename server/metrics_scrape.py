@@ -70,6 +70,11 @@ class MetricsScrape:
         self._running: asyncio.Task[bytes] | None = None
         self._next: asyncio.Task[bytes] | None = None  # what scrapes arriving now will get
 
+    def close(self) -> None:
+        """Ends the scrape thread (the app's lifespan, at shutdown): a render still running
+        finishes, none starts after."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
     async def render(self) -> bytes:
         """The exposition as of a moment after this call (never an earlier render's)."""
         if self._next is None:

@@ -177,3 +177,18 @@ def test_the_garbage_collector_pauses_for_a_render_and_resumes_after_it() -> Non
 
     assert gc.isenabled()
     asyncio.run(run())
+
+
+def test_closing_ends_the_scrape_thread() -> None:
+    async def run() -> None:
+        slow = Numbered("loraplex_slow")
+        scrape = MetricsScrape([], [slow])
+        await scrape.render()
+        (ident,) = slow.threads
+        (thread,) = [t for t in threading.enumerate() if t.ident == ident]
+        assert thread.name.startswith("metrics-scrape")
+        scrape.close()
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+
+    asyncio.run(run())
