@@ -29,7 +29,7 @@ from typing import Any
 KERNEL_GROUPS = (  # first match wins; names as vLLM 0.26 and loraplex launch them
     ("moe_lora_ours", r"^moe_lora_(gemv_)?(shrink|expand|fused|expand_silu_and_mul)_kernel$"),
     ("moe_sum_ours", r"^moe_sum_with_delta_kernel$"),
-    ("dense_lora_ours", r"^lora_dense_((tiled_)?(shrink|expand)|fused)_kernel$"),
+    ("dense_lora_ours", r"^lora_dense_(tiled_(shrink|expand)_)?kernel$"),
     ("moe_lora_align_ours", r"^_(count|layout|place)_kernel$"),
     ("moe_lora_vllm", r"fused_moe_lora"),
     ("moe_lora_align", r"moe_lora_align|lora_align"),

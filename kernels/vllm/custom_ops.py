@@ -106,16 +106,13 @@ def define_moe_lora_op(original: Callable[..., None]) -> Any:
 
 def define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) -> Any:
     """torch.ops.loraplex.lora_linear: `PunicaWrapperGPU.add_lora_linear`'s work as one op: our
-    per-token kernels for decode batches (`REGIMES.dense_gemv`), our tiled ones for prefill
+    per-token kernel for decode batches (`REGIMES.dense_gemv`), our tiled ones for prefill
     batches, vLLM's `shrink` and `expand` (its eager implementations) for layouts ours do not
     take. The LoRA runs after its base GEMM, on the main stream: beside the GEMM it lost, at
     prefill and at decode (docs/kernels.md, "Dense LoRA beside the GEMM")."""
     if hasattr(torch.ops.loraplex, "lora_linear"):
         return torch.ops.loraplex.lora_linear
-    from loraplex.kernels.ops.lora_dense.op import (
-        UnsupportedDenseCall,
-        lora_dense_fused,
-    )
+    from loraplex.kernels.ops.lora_dense.op import UnsupportedDenseCall, lora_dense
     from loraplex.kernels.ops.lora_dense.tiled import lora_dense_tiled
 
     def op(
@@ -137,7 +134,7 @@ def define_dense_op(shrink: Callable[..., None], expand: Callable[..., None]) ->
             return
         try:
             if REGIMES.dense_gemv(x.shape[0]):
-                lora_dense_fused(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
+                lora_dense(y, x, lora_a, lora_b, token_lora_mapping, scale, add_inputs)
             else:
                 lora_dense_tiled(
                     y, x, lora_a, lora_b, scale, token_indices_sorted_by_lora_ids,

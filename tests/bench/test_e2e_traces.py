@@ -96,10 +96,11 @@ def test_the_main_stream_is_split_from_the_side_stream_and_its_wait_on_it(tmp_pa
     }  # fmt: skip
 
 
-def test_our_gemv_and_one_launch_kernels_count_as_ours() -> None:
-    """The MoE-LoRA GEMV kernels were counted as vLLM's dense LoRA (their names hold _lora_)."""
+def test_our_gemv_and_dense_kernels_count_as_ours() -> None:
+    """Our kernels count as ours: the MoE-LoRA GEMVs (their names hold _lora_, as vLLM's dense
+    LoRA kernels' do) and the dense LoRA's decode and prefill kernels."""
     assert kernel_group("moe_lora_gemv_shrink_kernel") == "moe_lora_ours"
     assert kernel_group("moe_lora_gemv_expand_kernel") == "moe_lora_ours"
-    assert kernel_group("lora_dense_fused_kernel") == "dense_lora_ours"
+    assert kernel_group("lora_dense_kernel") == "dense_lora_ours"
     assert kernel_group("lora_dense_tiled_shrink_kernel") == "dense_lora_ours"
     assert kernel_group("_lora_shrink_kernel") == "dense_lora"

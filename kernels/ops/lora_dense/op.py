@@ -1,5 +1,5 @@
-"""Dense LoRA for decode batches: vLLM 0.26's `add_lora_linear` semantics in two launches
-(`lora_dense`), or in one (`lora_dense_fused`: the dense_fused decode variant, under A/B).
+"""Dense LoRA for decode batches: vLLM 0.26's `add_lora_linear` semantics in one launch
+(`lora_dense`, its kernel in `kernels`).
 
 Spec (`reference.lora_dense_reference`), with T tokens, S <= 3 slices of widths N_s, rank R,
 slot(t) = token_lora_mapping[t] (-1: no adapter):
@@ -11,7 +11,8 @@ slot(t) = token_lora_mapping[t] (-1: no adapter):
 
 x: (T, K); y: (T, >= sum N_s) with unit stride along columns; A[s]: (L, 1, R, K);
 B[s]: (L, 1, N_s, R), as vLLM stacks them (contiguous in K and R). Tokens without adapter are
-left untouched. Decode-sized batches only: the plugin leaves larger ones to vLLM's kernels.
+left untouched. Decode-sized batches only: the plugin serves larger ones with
+`tiled.lora_dense_tiled`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from functools import lru_cache
 import torch
 import triton
 
-from loraplex.kernels.ops.lora_dense import fused_kernels as ft
 from loraplex.kernels.ops.lora_dense import kernels as kt
 
 MAX_SLICES = 3
@@ -116,7 +116,7 @@ def launch_shape(tokens: int, k: int, slices: int, widest: int, sms: int) -> tup
 
 @dataclass(frozen=True)
 class _Launch:
-    """What both decode forms launch with: the call's shape, its launch shape and the padded
+    """What the decode kernel launches with: the call's shape, its launch shape and the padded
     slices."""
 
     tokens: int
@@ -161,6 +161,19 @@ def _workspace(plan: _Launch, x: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=x.device)
 
 
+_SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def sync_cells(device: torch.device, cells: int) -> torch.Tensor:
+    """int32 zeros, 2 x `cells` of them, for `lora_dense`'s counters on `device`: one buffer per
+    size, kept for the process (a CUDA graph captured with one replays its address; each launch
+    leaves it zeroed)."""
+    key = (device.type, device.index, cells)
+    if key not in _SYNC:
+        _SYNC[key] = torch.zeros(2 * cells, dtype=torch.int32, device=device)
+    return _SYNC[key]
+
+
 def lora_dense(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -172,54 +185,10 @@ def lora_dense(
     split_k: int | None = None,
     block_n: int | None = None,
 ) -> None:
-    """y (+)= LoRA delta per the module docstring; split_k and block_n None: `launch_shape`'s."""
-    plan = _plan(y, x, lora_a, lora_b, split_k, block_n)
-    if plan is None:
-        return
-    ws = _workspace(plan, x)
-    kt.lora_dense_shrink_kernel[(plan.tokens, plan.slices, plan.split_k)](
-        x, *plan.a, ws, token_lora_mapping, scale, plan.k, plan.tokens, lora_a[0].shape[0],
-        x.stride(0), lora_a[0].stride(0), lora_a[0].stride(2),
-        BLOCK_R=plan.block_r, RANK=plan.rank, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
-        USE_PDL=plan.use_pdl, **plan.pdl,
-    )  # fmt: skip
-    grid = (plan.tokens, triton.cdiv(max(plan.widths), plan.block_n), plan.slices)
-    kt.lora_dense_expand_kernel[grid](
-        ws, *plan.b, y, token_lora_mapping, *plan.widths, plan.tokens, lora_b[0].shape[0],
-        y.stride(0), *(t.stride(0) for t in plan.b), lora_b[0].stride(2),
-        BLOCK_R=plan.block_r, RANK=plan.rank, BLOCK_N=plan.block_n, SPLIT_K=plan.split_k,
-        ADD_INPUTS=add_inputs, USE_PDL=plan.use_pdl, **plan.pdl,
-    )  # fmt: skip
-
-
-_SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
-
-
-def sync_cells(device: torch.device, cells: int) -> torch.Tensor:
-    """int32 zeros, 2 x `cells` of them, for `lora_dense_fused`'s counters on `device`: one
-    buffer per size, kept for the process (a CUDA graph captured with one replays its address;
-    each launch leaves it zeroed)."""
-    key = (device.type, device.index, cells)
-    if key not in _SYNC:
-        _SYNC[key] = torch.zeros(2 * cells, dtype=torch.int32, device=device)
-    return _SYNC[key]
-
-
-def lora_dense_fused(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: list[torch.Tensor],
-    lora_b: list[torch.Tensor],
-    token_lora_mapping: torch.Tensor,
-    scale: float = 1.0,
-    add_inputs: bool = True,
-    split_k: int | None = None,
-    block_n: int | None = None,
-) -> None:
-    """`lora_dense` in one launch (`fused_kernels`): the same numbers, bit for bit (same sums in
-    the same order), with each expand program waiting only for its own token and slice's shrinks.
-    Not safe on two streams at once: calls on one device share the counters (the dense LoRA runs
-    on the main stream only)."""
+    """y (+)= LoRA delta per the module docstring, in one launch (`kernels`); split_k and
+    block_n None: `launch_shape`'s. Each expand program waits only for its own token and
+    slice's shrinks. Not safe on two streams at once: calls on one device share the counters
+    (`sync_cells`; the dense LoRA runs on the main stream only)."""
     plan = _plan(y, x, lora_a, lora_b, split_k, block_n)
     if plan is None:
         return
@@ -227,7 +196,7 @@ def lora_dense_fused(
     sync = sync_cells(x.device, plan.slices * plan.tokens)
     n_tiles = triton.cdiv(max(plan.widths), plan.block_n)
     grid = (plan.tokens * plan.slices * (plan.split_k + n_tiles),)
-    ft.lora_dense_fused_kernel[grid](
+    kt.lora_dense_kernel[grid](
         x, *plan.a, *plan.b, y, ws, sync, token_lora_mapping, scale, plan.k, *plan.widths,
         plan.tokens, n_tiles, lora_a[0].shape[0], x.stride(0), lora_a[0].stride(0),
         lora_a[0].stride(2), y.stride(0), *(t.stride(0) for t in plan.b), lora_b[0].stride(2),
