@@ -3,15 +3,17 @@
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_decode_anatomy.py --commit SHA --out DIR
 
 At the kernel bench's decode points (1, 4, 16, 64 and 256 tokens) of both model shapes (rank 32,
-8 adapters, bf16), each in the routing form the plugin serves it (`served_naive`,
-`served_block_m`), in one interleaved CUDA-graph replay per point over the kernel bench's cold
-sets (`moe_lora_workload`):
+8 adapters, bf16), each call in the layout vLLM serves the model with (GPT-OSS's gate/up one
+slice of 2 x inter columns, Qwen3's two slices) and in the routing form the plugin serves it
+(`served_naive`, `served_block_m`), in one interleaved CUDA-graph replay per point over the
+kernel bench's cold sets (`moe_lora_workload`):
 
-- ours: the op with its tuned config; where that is a split gate/up config also its shrink
-  alone (expand deferred and dropped) and its expand launched without PDL;
+- ours: the op with its tuned config; where that is a split config of a two-slice gate/up call
+  (the op defers only that expand) also its shrink alone (expand deferred and dropped) and its
+  expand launched without PDL;
 - in the naive form, the tuner's candidates with a GEMV kernel (`label` names them: shrink, K
-  ranges, warps, and the GEMV expand's columns), and for gate/up with the GEMV shrink that
-  shrink alone;
+  ranges, warps, and the GEMV expand's columns), and for a two-slice gate/up with the GEMV
+  shrink that shrink alone;
 - read_only: one Triton kernel (under PDL, as ours) that only reads the A and B bytes of every
   routed pair, 16 programs per pair and slice, each loading its chunk at once: the bytes the
   naive form reads, a (slot, expert) routed twice read twice;
@@ -20,7 +22,7 @@ sets (`moe_lora_workload`):
 - copy_floor: a torch device copy moving the floor's bytes (half read, half written).
 
 The floor is the adapter bytes over the copy rate of a 2 GiB copy, as in bench_moe_lora. Rows
-(machine, commit, config, form) go to DIR/decode_anatomy_<gpu>.jsonl.
+(machine, commit, config, layout, form) go to DIR/decode_anatomy_<gpu>.jsonl.
 """
 
 from __future__ import annotations
@@ -206,7 +208,8 @@ def main() -> None:
                 times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
                 floor = sum(b for _, b in made) / len(made) / bw * 1e6
                 form = "naive" if naive else f"sorted {block_m}"
-                rows.append({"shape": shape.name, "op": op, "tokens": tokens, "form": form,
+                rows.append({"shape": shape.name, "layout": shape.layout, "op": op,
+                             "tokens": tokens, "form": form,
                              "floor_us": floor, "us": times, "machine": gpu,
                              "commit": ns.commit, "copy_tb_s": bw / 1e12,
                              "config": config.to_json()})  # fmt: skip

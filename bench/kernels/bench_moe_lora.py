@@ -3,11 +3,14 @@
     PYTHONPATH=/tmp/site:. python3 bench/kernels/bench_moe_lora.py --commit SHA --out DIR
 
 Needs a CUDA GPU and vLLM 0.26 (see ../shared/gpu/README.md). For each model shape, call (w13,
-w2) and batch, both ops get the same tokens, adapters and routing, in the routing form each gets
-in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its naive/sorted rule and
-its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for our op also in the
-naive form while pairs <= experts x max_loras, up to 1,024 pairs, and in the sorted form in the
-plugin's blocks (the plugin's rules, `REGIMES.naive` and `REGIMES.block_m` in kernels/dispatch.py).
+w2) and batch, built in the MoE-LoRA layout vLLM serves the model with (`moe_lora_workload`:
+GPT-OSS's gate/up one slice of 2 x inter columns, the 3D layout; Qwen3's two slices, the 2D
+layout; each row's `layout`), both ops get the same tokens, adapters and routing, in the routing
+form each gets in vLLM: vLLM's own metadata (its `moe_lora_align_block_size` CUDA op, its
+naive/sorted rule and its MoE-LoRA config, as `PunicaWrapperGPU.add_lora_w13` builds them), for
+our op also in the naive form while pairs <= experts x max_loras, up to 1,024 pairs, and in the
+sorted form in the plugin's blocks (the plugin's rules, `REGIMES.naive` and `REGIMES.block_m` in
+kernels/dispatch.py).
 Where the two forms differ our op also runs in vLLM's form ("in vLLM's form", ours_vllm_form_us,
 with the config the configs file gives that form; see bench_point).
 Times are medians per call in CUDA-graph replay, the graphs replayed in turn
@@ -16,7 +19,7 @@ floor is the adapter bytes the call must read once over the device-to-device cop
 in the same run. With --tune, the config the configs file gave before the tune is timed in the
 same interleaved run ("was", prev_us). --popularity spreads the tokens over the adapters other
 than round robin (`moe_lora_workload.token_slots`): zipf, or one adapter on every token. Writes
-JSON rows (machine, commit, config, popularity) and prints a table.
+JSON rows (machine, commit, config, layout, popularity) and prints a table.
 """
 
 from __future__ import annotations
@@ -268,7 +271,7 @@ def bench_point(
     fused = fuses_activation(shape, op)
     activation = bench_activation(their_args, args, theirs, ours) if fused else {}
     return activation | {
-        "shape": shape.name, "op": op, "tokens": tokens,
+        "shape": shape.name, "layout": shape.layout, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
         "vllm_form": "naive" if vllm_naive else "sorted",
         "block_m": None if our_naive else block_m,

@@ -2,9 +2,17 @@
 
 A model shape gives two calls per layer (vLLM's `add_lora_w13` and `add_lora_w2`):
 
-    w13: x (T, hidden) -> output (T, k, 2 * inter), slices gate and up, K = hidden, N = inter
+    w13: x (T, hidden) -> output (T, k, 2 * inter)
+         2D layout: slices gate and up, K = hidden, N = inter
+         3D layout: one slice, K = hidden, N = 2 * inter, gate and up rows interleaved
     w2:  x (T * k, inter) -> output (T, k, hidden), one slice, K = inter, N = hidden, the delta
          scaled by the routing weight
+
+The layout is the one vLLM 0.26 builds for the model (`MoeShape.lora_3d`): `FusedMoEWithLoRA`
+(2D) holds a gate and an up A and B per expert; `FusedMoE3DWithLoRA`, which serves a model whose
+experts are one packed module (GPT-OSS), holds one A (L, E, R, hidden) and one B
+(L, E, 2 * inter, R) for gate/up (vllm/lora/layers/fused_moe.py). The two layouts' gate/up calls
+have different keys in the tuned configs (`ShapeKey`: N and the slice count).
 
 vLLM routes a batch in the naive form when T * k * 8 <= experts * max_loras, else in the sorted
 form aligned to blocks of its MoE config's BLOCK_SIZE_M (`default_block_m` is its default rule).
@@ -50,18 +58,27 @@ class MoeShape:
     # After gate/up: "silu" is SiLU-and-mul (the plugin fuses the LoRA into it), "swigluoai"
     # GPT-OSS's clamped SwiGLU (left to vLLM).
     activation: str
+    # Whether vLLM 0.26 serves the experts' LoRA with FusedMoE3DWithLoRA (the experts are one
+    # packed module): gate/up is then one slice of 2 x inter columns, not two of inter.
+    lora_3d: bool
+
+    @property
+    def layout(self) -> Literal["2d", "3d"]:
+        """The MoE-LoRA layout vLLM serves this model with, as the benchmarks' rows name it."""
+        return "3d" if self.lora_3d else "2d"
 
 
 SHAPES = {
-    "qwen3-30b-a3b": MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, activation="silu"),
-    "gpt-oss-20b": MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, activation="swigluoai"),
+    "qwen3-30b-a3b": MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, activation="silu", lora_3d=False),
+    "gpt-oss-20b": MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, activation="swigluoai", lora_3d=True),
 }
 BATCHES = (1, 4, 16, 64, 256, 16 * 1600)
 
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One of the two calls of a layer: its K, N, slices and whether x is per pair."""
+    """One of the two calls of a layer, in the shape's layout: its K, N, slices and whether x
+    is per pair."""
 
     op: str
     k: int
@@ -71,6 +88,8 @@ class CallSpec:
 
     @staticmethod
     def of(shape: MoeShape, op: str) -> CallSpec:
+        if op == "w13" and shape.lora_3d:
+            return CallSpec("w13", shape.hidden, 2 * shape.inter, 1, False)
         if op == "w13":
             return CallSpec("w13", shape.hidden, shape.inter, 2, False)
         return CallSpec("w2", shape.inter, shape.hidden, 1, True)

@@ -1,11 +1,14 @@
 """Tuner: time candidate launch configs of our MoE-LoRA op on this GPU and write the best as JSON.
 
-    python -m bench.kernels.tune_moe_lora [--shapes qwen3-30b-a3b gpt-oss-20b] [--batches 1 4]
+    python -m bench.kernels.tune_moe_lora [--shapes qwen3-30b-a3b gpt-oss-20b] [--ops w13 w2]
+        [--batches 1 4]
 
-For every model shape, call (w13, w2) and batch it builds vLLM-shaped calls (`moe_lora_workload`),
-times each candidate in CUDA-graph replay, checks the winner against the first candidate's output,
-and merges the winners into `kernels/configs/moe_lora_<gpu>.json`, which
-`kernels/ops/moe_lora/configs.lookup` reads. Needs a CUDA GPU; torch and triton only.
+For every model shape, call (w13, w2) and batch it builds the call as vLLM 0.26 makes it for
+that model (`moe_lora_workload`: GPT-OSS's gate/up in the 3D layout, one slice of 2 x inter
+columns; Qwen3's in two slices), times each candidate in CUDA-graph replay, checks the winner
+against the first candidate's output, and merges the winners into
+`kernels/configs/moe_lora_<gpu>.json` under the key the op looks up for that call
+(`kernels/ops/moe_lora/configs.lookup`). Needs a CUDA GPU; torch and triton only.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ WORKSPACE_MAX_BYTES = 512 * 2**20
 # fastest first timing, at most FINALISTS of them.
 FINALIST_MARGIN = 1.10
 FINALISTS = 4
-# Columns a GEMV expand program takes. The wide ones for GPT-OSS gate/up: at 16 tokens 16.07 us
-# over 1,024 columns against 17.40 over 256 (H200, the tuned config otherwise); elsewhere within 2%.
+# Columns a GEMV expand program takes. The wide ones for GPT-OSS gate/up (two slices of 2,880
+# columns): at 16 tokens 16.07 us over 1,024 columns against 17.40 over 256 (H200, the tuned
+# config otherwise); elsewhere within 2%.
 GEMV_EXPAND_COLUMNS = (128, 256, 512, 1024)
 
 
@@ -50,9 +54,9 @@ def candidates(
     N split over programs, more warps, both slices in one program; at prefill sizes also narrower
     K tiles and fewer stages (less shared memory, more programs per SM), and expands of half or
     quarter blocks over several N tiles, also under a register cap. Split: 1 to 16 K ranges,
-    for gate/up a shrink that does both slices at the two smallest splits (also with an expand
-    over two N tiles), an expand over two N tiles at the largest split, and expands of half
-    blocks at the two smallest splits. In the naive routing form (decode) also the GEMV shrink
+    for a two-slice gate/up a shrink that does both slices at the two smallest splits (also with
+    an expand over two N tiles), an expand over two N tiles at the largest split, and expands of
+    half blocks at the two smallest splits. In the naive routing form (decode) also the GEMV shrink
     over 2 to 16 K ranges of at least 64, with 4 or 8 warps, and the GEMV expand after it or
     after the tl.dot shrink; in the sorted form at decode sizes also expands of half and
     quarter blocks over 4, 8 and 16 N tiles.
@@ -135,8 +139,9 @@ def _all_candidates(k: int, num_pairs: int, slices: int, naive: bool) -> list[Mo
     if slices == 2:  # gate and up from one gather of x: at prefill x is a third of the bytes
         out += [MoeLoraConfig("split", bk, bn, split_k=split, fuse_slices=True)
                 for split in splits[:2] for bn in (64, 128)]  # fmt: skip
-        # Half as many expand programs, each over two N tiles: GPT-OSS gate/up at 64 tokens
-        # (blocks of one or two pairs, 23 N tiles per slice) launched ~7,800 one-tile programs.
+        # Half as many expand programs, each over two N tiles: GPT-OSS gate/up in two slices at
+        # 64 tokens (blocks of one or two pairs, 23 N tiles per slice) launched ~7,800 one-tile
+        # programs.
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=True, expand_tiles=2)
                 for split in splits[:2]]  # fmt: skip
     if naive:
@@ -148,8 +153,9 @@ def _all_candidates(k: int, num_pairs: int, slices: int, naive: bool) -> list[Mo
                 for split in splits for bn in GEMV_EXPAND_COLUMNS]  # fmt: skip
         # The same after a tl.dot shrink of two stages (less shared memory a program, more
         # programs an SM) over one or two K ranges. H200, the tuned naive configs with only the
-        # stages changed, two interleaved runs: GPT-OSS gate/up at 64 tokens 42.6 us against
-        # 44.3 with three; at the other 25 naive points three stages won or tied (within 1%).
+        # stages changed, two interleaved runs: GPT-OSS gate/up in two slices at 64 tokens 42.6
+        # us against 44.3 with three; at the other 25 naive points three stages won or tied
+        # (within 1%).
         out += [MoeLoraConfig("split", bk, bn, split_k=split, num_stages=2, gemv_expand=True)
                 for split in splits[:2] for bn in GEMV_EXPAND_COLUMNS]  # fmt: skip
         if slices == 2:
@@ -159,9 +165,9 @@ def _all_candidates(k: int, num_pairs: int, slices: int, naive: bool) -> list[Mo
                 for split in gemv_splits[:3] for bn in GEMV_EXPAND_COLUMNS]  # fmt: skip
     elif not REGIMES.prefill(num_pairs):
         # Sorted decode blocks hold a few pairs in 16 to 64 rows: expands over more N tiles
-        # each, of half or quarter blocks. H200, GPT-OSS gate/up at 256 tokens in blocks of 64
-        # (the default reference align, not vLLM's): 4 tiles of half blocks 74.6 us against
-        # 90.7 for 2 tiles.
+        # each, of half or quarter blocks. H200, GPT-OSS gate/up in two slices at 256 tokens in
+        # blocks of 64 (the default reference align, not vLLM's): 4 tiles of half blocks 74.6 us
+        # against 90.7 for 2 tiles.
         out += [MoeLoraConfig("split", bk, 128, split_k=split, fuse_slices=slices == 2,
                               expand_parts=parts, expand_tiles=tiles)
                 for split in splits[:2] for parts in (2, 4) for tiles in (4, 8, 16)]  # fmt: skip
@@ -225,7 +231,9 @@ def tune_point(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"],
+                        help="the calls to tune: gate/up (w13) and down (w2)")  # fmt: skip
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
@@ -236,7 +244,7 @@ def main() -> None:
     tuned: dict[str, dict[int, MoeLoraConfig]] = {}
     for name in args.shapes:
         shape = SHAPES[name]
-        for op in ("w13", "w2"):
+        for op in args.ops:
             spec = CallSpec.of(shape, op)
             weights = make_weights(shape, spec, args.adapters, args.rank, dtype, "cuda")
             for tokens in args.batches:

@@ -204,7 +204,7 @@ def test_a_poisoned_slot_beside_others_through_vllms_methods(sorted_form: bool) 
     from loraplex.kernels.vllm.plugin import PluginState, register
 
     assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
-    shape = MoeShape("e2e-check", 512, 256, 32, 4, activation="silu")
+    shape = MoeShape("e2e-check", 512, 256, 32, 4, activation="silu", lora_3d=False)
     tokens, e, k, slots_n = (128 if sorted_form else 4), 32, 4, 2
     gen = torch.Generator().manual_seed(2)
     topk_ids = torch.rand(tokens, e, generator=gen).topk(k, dim=1).indices.to(torch.int32).cuda()

@@ -1,4 +1,5 @@
-"""The benchmarks' workload builder: how tokens spread over adapters (pure torch, on CPU)."""
+"""The benchmarks' workload builder: each model's calls in vLLM's layout, and how tokens spread
+over adapters (pure torch, on CPU)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,46 @@ def test_one_adapter_reads_fewer_bytes_and_keeps_the_routing() -> None:
         assert torch.equal(args["qcurr_hidden_states"], rr_args["qcurr_hidden_states"])
     assert one_args["token_lora_mapping"].unique().tolist() == [1]  # rotated by the set index
     assert one_bytes < rr_bytes
+
+
+def test_gate_up_is_one_slice_of_both_halves_in_the_3d_layout_and_two_otherwise() -> None:
+    """vLLM 0.26 serves GPT-OSS with FusedMoE3DWithLoRA: gate/up is one A and one B of
+    2 x inter rows; Qwen3 with FusedMoEWithLoRA: a gate and an up slice of inter rows each.
+    Down is one slice in both."""
+    gpt_oss, qwen3 = SHAPES["gpt-oss-20b"], SHAPES["qwen3-30b-a3b"]
+    assert (gpt_oss.layout, qwen3.layout) == ("3d", "2d")
+    assert CallSpec.of(gpt_oss, "w13") == CallSpec("w13", 2880, 2 * 2880, 1, False)
+    assert CallSpec.of(qwen3, "w13") == CallSpec("w13", 2048, 768, 2, False)
+    assert CallSpec.of(gpt_oss, "w2") == CallSpec("w2", 2880, 2880, 1, True)
+    assert CallSpec.of(qwen3, "w2") == CallSpec("w2", 768, 2048, 1, True)
+
+
+@pytest.mark.parametrize(
+    ("name", "a_shapes", "b_shapes"),
+    [
+        # FusedMoE3DWithLoRA's w13 buffers: (L, E, R, hidden) and (L, E, 2 x inter, R), one each
+        ("gpt-oss-20b", [(2, 32, 8, 2880)], [(2, 32, 5760, 8)]),
+        # FusedMoEWithLoRA's: a gate and an up of (L, E, R, hidden) and (L, E, inter, R)
+        ("qwen3-30b-a3b", [(2, 128, 8, 2048)] * 2, [(2, 128, 768, 8)] * 2),
+    ],
+)
+def test_gate_up_weights_and_call_are_vllms_buffers_for_the_layout(
+    name: str, a_shapes: list[tuple[int, ...]], b_shapes: list[tuple[int, ...]]
+) -> None:
+    """The weights are vLLM's stacked buffers for the model's layout; the call writes the whole
+    gate/up output (2 x inter columns) from x of hidden columns, and its floor counts every A and
+    B a routed (slot, expert) holds: one A in the 3D layout, two in the 2D."""
+    shape = SHAPES[name]
+    spec = CallSpec.of(shape, "w13")
+    a, b = make_weights(shape, spec, 2, 8, torch.float32, "cpu")
+    assert [tuple(t.shape) for t in a] == a_shapes
+    assert [tuple(t.shape) for t in b] == b_shapes
+    args, nbytes = make_set(shape, spec, 4, 2, 0, (a, b), 16, torch.float32, "cpu", naive=True)
+    assert args["output"].shape == (4, shape.top_k, 2 * shape.inter)
+    assert args["qcurr_hidden_states"].shape == (4, shape.hidden)
+    distinct = torch.unique(
+        args["token_lora_mapping"].long().repeat_interleave(shape.top_k) * shape.experts
+        + args["expert_ids"].long()
+    ).numel()
+    per_pair = 4 * sum(r * k for _, _, r, k in a_shapes) + 4 * sum(n * r for _, _, n, r in b_shapes)
+    assert nbytes == distinct * per_pair

@@ -1,10 +1,17 @@
-"""The configs the tuner offers per call and batch."""
+"""The configs the tuner offers per call and batch, and the keys it files them under."""
 
 from __future__ import annotations
 
-from bench.kernels.moe_lora_workload import SHAPES
-from bench.kernels.tune_moe_lora import candidates, fuses_activation
+from typing import Any
+
+import pytest
+import torch
+
+from bench.kernels.moe_lora_workload import SHAPES, CallSpec
+from bench.kernels.tune_moe_lora import candidates, fuses_activation, shape_key
 from loraplex.kernels.dispatch import REGIMES
+from loraplex.kernels.ops.moe_lora import op
+from loraplex.kernels.ops.moe_lora.configs import ShapeKey
 
 
 def test_gemv_shrink_is_a_candidate_of_the_naive_form_only() -> None:
@@ -46,3 +53,50 @@ def test_prefill_gate_up_before_a_fused_silu_tunes_only_configs_that_fuse_it() -
     assert fuses_activation(SHAPES["qwen3-30b-a3b"], "w13")
     assert not fuses_activation(SHAPES["qwen3-30b-a3b"], "w2")
     assert not fuses_activation(SHAPES["gpt-oss-20b"], "w13")  # clamped SwiGLU: vLLM's own
+
+
+class _LookedUp(Exception):
+    """Raised by the stand-in lookup: the op has built its key, nothing is launched."""
+
+
+@pytest.mark.parametrize(
+    ("name", "slices", "n", "expected"),
+    [
+        # FusedMoE3DWithLoRA: one A (L, E, R, hidden), one B (L, E, 2 x inter, R)
+        ("gpt-oss-20b", 1, 5760, ShapeKey(2880, 5760, 1, 32, 32, 4, False, "torch.bfloat16")),
+        # FusedMoEWithLoRA: a gate and an up slice of inter rows
+        ("qwen3-30b-a3b", 2, 768, ShapeKey(2048, 768, 2, 32, 128, 8, False, "torch.bfloat16")),
+    ],
+)
+def test_gate_up_is_tuned_under_the_key_the_op_looks_up_for_vllms_call(
+    monkeypatch: pytest.MonkeyPatch, name: str, slices: int, n: int, expected: ShapeKey
+) -> None:
+    """The tuner's key for a model's gate/up call is the one our op looks up when vLLM 0.26
+    calls it with that model's buffers (16 decode tokens, naive form, 8 slots, rank 32; shapes
+    only, on the meta device)."""
+    shape = SHAPES[name]
+    tuned = shape_key(shape, CallSpec.of(shape, "w13"), 32, False, str(torch.bfloat16))
+    assert tuned == expected
+    keys: list[ShapeKey] = []
+
+    def lookup(gpu: str, key: ShapeKey, *args: Any) -> None:
+        keys.append(key)
+        raise _LookedUp
+
+    monkeypatch.setattr(op, "lookup", lookup)
+    tokens, slots, rank, e, k = 16, 8, 32, shape.experts, shape.top_k
+
+    def meta(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device="meta")
+
+    a = tuple(meta(slots, e, rank, shape.hidden) for _ in range(slices))
+    b = tuple(meta(slots, e, n, rank) for _ in range(slices))
+    lora_ids = torch.arange(slots + 1, dtype=torch.int32, device="meta")
+    with pytest.raises(_LookedUp):
+        op.fused_moe_lora(
+            meta(tokens, k, 2 * shape.inter), meta(tokens, shape.hidden), a, b,
+            meta(tokens, k, dtype=torch.float32), None, meta(tokens * k, dtype=torch.int32),
+            None, meta(tokens, dtype=torch.int32), rank, k, lora_ids,
+            torch.tensor([slots + 1], dtype=torch.int32), meta(slots + 1, dtype=torch.int32),
+        )  # fmt: skip
+    assert keys == [tuned]

@@ -345,7 +345,8 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
     e2e check's model, 32 experts top-4 and 2 slots, at its 128-token prefill: 8; GPT-OSS-20B at
     64 tokens, naive over 8 adapters, sorted with one adapter beside base-model tokens under
     specialize_active_lora: `REGIMES.naive`'s active count, the plugin's metadata of one adapter,
-    listed before -1 and a launch width of 1):
+    listed before -1 and a launch width of 1; its gate/up in vLLM's 3D layout, one slice of
+    2 x inter columns):
     the align is asked for the plugin's block, not the config's, the kernels read the routing
     in that block, and both calls add the reference's deltas to the base values. Under
     inference mode, as vLLM's forward runs. The stand-in is vLLM's per-step LoRA metadata only
@@ -358,7 +359,8 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
     from loraplex.kernels.vllm.punica import aligned_block
 
     assert register(enabled=True) in (PluginState.PATCHED, PluginState.ALREADY)
-    small = MoeShape("e2e-check", 512, 256, 32, 4, activation="silu")  # bench_e2e.make_small_model
+    # bench_e2e.make_small_model: a Qwen3-MoE, served in vLLM's 2D layout
+    small = MoeShape("e2e-check", 512, 256, 32, 4, activation="silu", lora_3d=False)
     shape = SHAPES.get(shape_name, small)
     e, k, hidden, inter = shape.experts, shape.top_k, shape.hidden, shape.inter
     gen = torch.Generator().manual_seed(5)
@@ -407,7 +409,7 @@ def test_plugin_runs_sorted_batches_in_its_blocks_through_vllms_methods(
     with torch.inference_mode():  # as vLLM's forward runs: views keep no link to their base
         sorted_ids, eids, ntpp, mapping = punica.add_lora_w13(
             y13, x, tuple(w13_a), tuple(w13_b), topk_ids, topk_weights, None, w1, w2, tokens, k,
-            slots_n, enabled, e, k, 2, False, False,
+            slots_n, enabled, e, k, len(w13_a), False, False,
         )  # fmt: skip
         punica.add_lora_w2(
             y2, x2, tuple(w2_a), tuple(w2_b), topk_weights, sorted_ids, eids, ntpp, mapping,
