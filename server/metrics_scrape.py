@@ -66,14 +66,16 @@ class MetricsScrape:
     def __init__(self, on_loop: Sequence[Collector], in_thread: Sequence[Collector]) -> None:
         self._on_loop = on_loop
         self._in_thread = in_thread
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-scrape")
+        self._thread: ThreadPoolExecutor | None = None  # started by the first render
         self._running: asyncio.Task[bytes] | None = None
         self._next: asyncio.Task[bytes] | None = None  # what scrapes arriving now will get
 
     def close(self) -> None:
         """Ends the scrape thread (the app's lifespan, at shutdown): a render still running
-        finishes, none starts after."""
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        finishes; a later render starts a thread again."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
 
     async def render(self) -> bytes:
         """The exposition as of a moment after this call (never an earlier render's)."""
@@ -88,6 +90,8 @@ class MetricsScrape:
         self._running, self._next = self._next, None  # later scrapes wait for the next one
         try:
             snapshot = _Frozen([f for c in self._on_loop for f in c.collect()])
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="metrics-scrape")
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
                 self._thread, _without_collector, snapshot, *self._in_thread

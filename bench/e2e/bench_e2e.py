@@ -48,6 +48,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -110,10 +111,11 @@ def run_workload(ns: argparse.Namespace) -> dict:
         plugin_on = os.environ[ENV_SWITCH] == "1"
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8,
                   additional_config=compile_cache_config(plugin_on))  # fmt: skip
-    # A folder of this run's own: runs side by side on two GPUs, or one after another, would
-    # otherwise read each other's traces.
-    prof_dir = Path(tempfile.mkdtemp(prefix=f"e2e_prof_{ns.mode}_{ns.profile}_"))
-    if ns.profile:
+    prof_dir = None
+    if ns.profile in ("decode", "prefill"):
+        # A folder of this run's own: runs side by side on two GPUs, or one after another, would
+        # otherwise read each other's traces.
+        prof_dir = Path(tempfile.mkdtemp(prefix=f"e2e_prof_{ns.mode}_{ns.profile}_"))
         # Decode: skip the few engine iterations that prefill 16 x 1600 tokens, then 20 steps.
         # Prefill: every iteration of one 16-prompt, 1-token generate.
         window = (0, 0) if ns.profile == "prefill" else (12, 20)
@@ -177,22 +179,22 @@ def run_workload(ns: argparse.Namespace) -> dict:
             }
         )
     profile = None
-    if ns.profile == "decode":
-        llm.start_profile()
-        llm.generate(prompts(), SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False),
-                     lora_request=lrs, use_tqdm=False)  # fmt: skip
-        llm.stop_profile()
-        profile = summarize_traces(prof_dir, steps=20)
-    elif ns.profile == "prefill":
-        llm.start_profile()
-        llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
-        llm.stop_profile()
-        profile = summarize_traces(prof_dir, steps=1)  # µs per prefill of 16 x 1600 tokens
-    elif ns.profile == "host":
+    if ns.profile == "host":
         profile = profile_host(
             lambda: llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False),
             ns.out / "host.samples",
         )
+    elif prof_dir is not None:
+        llm.start_profile()
+        if ns.profile == "decode":
+            decode = SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False)
+            llm.generate(prompts(), decode, lora_request=lrs, use_tqdm=False)
+        else:
+            llm.generate(prompts(), one, lora_request=lrs, use_tqdm=False)
+        llm.stop_profile()
+        # Per step of 20 decode steps, or per prefill of 16 x 1600 tokens.
+        profile = summarize_traces(prof_dir, steps=20 if ns.profile == "decode" else 1)
+        shutil.rmtree(prof_dir, ignore_errors=True)
     return {
         "startup_s": startup, "startup": startup_parts, "reps": reps,
         **({f"{ns.profile}_profile_us": profile} if ns.profile else {}),

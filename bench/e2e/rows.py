@@ -86,6 +86,7 @@ def offline_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         b = base.get(_key(r))
         table.append({
             "model": r.get("model"), "tp": r.get("tp", 1),
+            # Rows of the decode variants' A/B (2026-11-28, docs/kernels.md) name the variant.
             "mode": f"{r['mode']}[{r['variant']}]" if r.get("variant") else r["mode"],
             "otps": r["otps_per_req_median"],
             "vs_base": r["otps_per_req_median"] / b["otps_per_req_median"] if b else None,

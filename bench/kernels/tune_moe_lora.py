@@ -67,8 +67,10 @@ def candidates(
     Qwen3-30B-A3B gate/up with SiLU-and-mul at 8,192, 12,288 and 16,384 tokens: 236.0, 286.8
     and 367.3 us fused against 337.1, 438.7 and 562.7 us with vLLM's SiLU-and-mul after the op,
     while a fused variant tuned at blocks of 64 won the op alone by at most 12 us. At decode
-    sizes both kinds stay: served beside the base GEMM, split and fused configs took what they
-    take alone (Qwen3 gate/up at 64 tokens 142.6 us split against 141.4 fused).
+    sizes both kinds stay: beside the base GEMM on a side stream, split and fused configs took
+    what they take alone (Qwen3 gate/up at 64 tokens 142.6 us split against 141.4 fused). In
+    order on the main stream, as decode runs now, a fused config also gives up the fusion;
+    not re-timed (`bench_moe_lora` times the op with the activation).
     """
     out = _all_candidates(k, num_pairs, slices, naive)
     if fused_activation and REGIMES.prefill(num_pairs):

@@ -179,7 +179,7 @@ def test_the_garbage_collector_pauses_for_a_render_and_resumes_after_it() -> Non
     asyncio.run(run())
 
 
-def test_closing_ends_the_scrape_thread() -> None:
+def test_closing_ends_the_scrape_thread_and_a_later_render_starts_one() -> None:
     async def run() -> None:
         slow = Numbered("loraplex_slow")
         scrape = MetricsScrape([], [slow])
@@ -190,5 +190,10 @@ def test_closing_ends_the_scrape_thread() -> None:
         scrape.close()
         thread.join(WAIT_S)
         assert not thread.is_alive()
+        body = await scrape.render()  # after close: a thread of its own again
+        assert value(body, "loraplex_slow") == 2
+        (again,) = [t for t in threading.enumerate() if t.ident == slow.threads[1]]
+        assert again is not thread and again.name.startswith("metrics-scrape")
+        scrape.close()
 
     asyncio.run(run())

@@ -240,14 +240,16 @@ def assert_same_groups(
 
 def slowly_written(values: torch.Tensor, lead_bytes: int = 2**30) -> tuple[torch.Tensor, Any]:
     """(view, rewrite): `view` is shaped like `values` and sits at the end of a poisoned 1 GiB
-    buffer; `rewrite()` copies the whole buffer, `view` last, so that `view` then holds `values`.
+    buffer; `rewrite()` writes the whole buffer with an elementwise kernel, `view` last, so that
+    `view` then holds `values`.
 
-    On a GPU that copy takes about a quarter of a millisecond. A kernel launched right after it
-    that read `view` before the copy finished would see the poison: how the tests check that our
-    PDL launches wait for the kernel before them.
+    On a GPU that write takes about a quarter of a millisecond. A kernel launched right after it
+    that read `view` before the write finished would see the poison: how the tests check that our
+    PDL launches wait for the kernel before them. A kernel, not `copy_`: a same-dtype copy is a
+    cudaMemcpy, and after a copy no kernel launches early under PDL.
     """
     lead = lead_bytes // values.element_size()
     big = torch.full((lead + values.numel(),), 1e4, dtype=values.dtype, device=values.device)
     src = torch.zeros_like(big)
     src[lead:] = values.flatten()
-    return big[lead:].view(values.shape), lambda: big.copy_(src)
+    return big[lead:].view(values.shape), lambda: torch.mul(src, 1, out=big)

@@ -92,7 +92,8 @@ def padded_slices(
 
 # Launch shape. Both rules come from bench/kernels/bench_dense_decode.py on the H200 (Qwen3-30B-A3B
 # attention, 8 rank-32 slots, each call after its base GEMM, over cold weights; rows in
-# bench/kernels/results/dense_decode_nvidia_h200.jsonl). What the LoRA added to the GEMM at 16
+# bench/kernels/results/dense_decode_nvidia_h200.jsonl, all of a two-launch form of this op that
+# used the same shape; this kernel is not re-timed there). What the LoRA added to the GEMM at 16
 # tokens: o with 32 K ranges of 128 took 6.6 us, with 16 ranges of 256 4.6 us; qkv with
 # 64-column expand tiles 7.7 us, 256 columns 6.0 us (64 tokens: 14.8 and 9.6 us). The e2e
 # decode went from 67.14 to 68.1 tok/s per request (base 75.71).
@@ -161,14 +162,16 @@ def _workspace(plan: _Launch, x: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=x.device)
 
 
-_SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
+_SYNC: dict[tuple[str, int | None, int, int], torch.Tensor] = {}
 
 
 def sync_cells(device: torch.device, cells: int) -> torch.Tensor:
     """int32 zeros, 2 x `cells` of them, for `lora_dense`'s counters on `device`: one buffer per
-    size, kept for the process (a CUDA graph captured with one replays its address; each launch
-    leaves it zeroed)."""
-    key = (device.type, device.index, cells)
+    size and stream (the current one; a launch on another stream at the same time would share
+    the counters of this one), kept for the process (a CUDA graph captured with one replays its
+    address; each launch leaves it zeroed)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, cells, stream)
     if key not in _SYNC:
         _SYNC[key] = torch.zeros(2 * cells, dtype=torch.int32, device=device)
     return _SYNC[key]
@@ -187,8 +190,7 @@ def lora_dense(
 ) -> None:
     """y (+)= LoRA delta per the module docstring, in one launch (`kernels`); split_k and
     block_n None: `launch_shape`'s. Each expand program waits only for its own token and
-    slice's shrinks. Not safe on two streams at once: calls on one device share the counters
-    (`sync_cells`; the dense LoRA runs on the main stream only)."""
+    slice's shrinks, on counters of the current stream's own (`sync_cells`)."""
     plan = _plan(y, x, lora_a, lora_b, split_k, block_n)
     if plan is None:
         return

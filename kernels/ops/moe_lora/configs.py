@@ -6,16 +6,16 @@ Files live in `kernels/configs/moe_lora_<gpu slug>.json` and are written by
     {"gpu": "NVIDIA H100 80GB HBM3",
      "shapes": {"<shape key>": {"<num pairs>": {"variant": "split", "block_k": 128, ...}}}}
 
-A lookup takes the entry of the nearest tuned pair count (in log scale) for the shape; an unknown
-GPU or shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEMMs.
+A lookup takes the entry of the nearest tuned pair count (in log scale) for the shape, or for a
+one-slice shape without entries those of its two-slice twin (`tuned_entries`); an unknown GPU or
+shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEMMs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -172,15 +172,16 @@ def tuned_entries(
     shapes: dict[str, dict[int, MoeLoraConfig]], key: ShapeKey
 ) -> dict[int, MoeLoraConfig]:
     """The entries tuned for `key`. A one-slice key with none of its own and an even N takes
-    those of the two-slice key of N/2: vLLM's 3D MoE-LoRA layout (`FusedMoE3DWithLoRA`, which
-    serves GPT-OSS) makes the gate/up call with one A and one B of 2 x I rows, gate and up
-    interleaved, where the 2D layout has two of each; the expand covers the same columns per
-    pair, the shrink half the products. On the H200 that call got the fallback, and its expand
-    took 45.7 us a layer at 16 decode tokens (GPT-OSS shape, e2e profile at f0f8dcd)."""
+    those of the two-slice key of N/2 (any such key: the twin of a down call's key is no other
+    call's, so in practice the 3D gate/up call). vLLM's 3D MoE-LoRA layout
+    (`FusedMoE3DWithLoRA`, which serves GPT-OSS) makes the gate/up call with one A and one B of
+    2 x I rows, gate and up interleaved, where the 2D layout has two of each: the expand covers
+    the same columns per pair, the shrink half the products. With the fallback instead, that
+    expand took 45.7 us a layer at 16 decode tokens on the H200 (GPT-OSS shape; docs/kernels.md)."""
     if own := shapes.get(key.text()):
         return own
     if key.slices == 1 and key.n % 2 == 0:
-        return shapes.get(dataclasses.replace(key, n=key.n // 2, slices=2).text(), {})
+        return shapes.get(replace(key, n=key.n // 2, slices=2).text(), {})
     return {}
 
 

@@ -436,7 +436,8 @@ def test_a_decode_batch_keeps_both_loras_in_order_eagerly_and_in_a_cuda_graph(
 ) -> None:
     """A decode batch, run eagerly and captured as vLLM captures it: both LoRAs stay on the
     main stream in vLLM's order (the down LoRA added into the GEMM's buffer, vLLM's moe_sum),
-    the gate/up expand still fused into SiLU-and-mul, the numbers the spec's."""
+    the gate/up expand still fused into SiLU-and-mul (before GELU-and-mul: launched first), the
+    numbers the spec's."""
     eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)  # compiles
     assert _down_ran_in_order(eager)
     assert eager.experts.w13_streams == [torch.cuda.current_stream()]
