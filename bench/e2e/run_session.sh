@@ -17,7 +17,8 @@
 #      GPT-OSS base with one if the budget allows | Qwen3 shape on GPU 1 (a profiled run takes
 #      ~60 s past its repetitions; Qwen3 base's profile is of record, f0f8dcd)
 #   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU
-#      kernel tests on GPU 1 (pytest-xdist: carry .whl); the TP=2 check is part c's
+#      kernel tests on GPU 1 (bench/kernels/run_device.sh tests: carry .whl); the TP=2 check is
+#      part c's
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
 # a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
@@ -133,21 +134,13 @@ case "$part" in
       bench plugin-qwen 360 plugin "${qwen[@]}" "${prof[@]}") &
     wait ;;
   k)
-    # pytest-xdist from the carried wheels, once per machine (pip's --target replaces whatever
-    # top-level folder of the same name $site has, so never over vLLM's set-up again).
-    if [ ! -d "$site/xdist" ]; then
-      compgen -G ".whl/*.whl" >/dev/null || { echo "no wheels: carry .whl" >&2; exit 1; }
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$site" .whl/*.whl
-    fi
     # The plugin with and without speculation (greedy agreement), base with it (step time).
     (export CUDA_VISIBLE_DEVICES=0
       bench check-plugin-graphs 150 check-plugin-graphs
       bench check-plugin-graphs-ngram 150 check-plugin-graphs --spec ngram
       bench check-base-graphs-ngram 120 check-base-graphs --spec ngram) &
     (export CUDA_VISIBLE_DEVICES=1
-      engine kernel-tests 420 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu \
-        -n 8 tests/kernels
+      TESTS_LIMIT_S=410 engine kernel-tests 420 bash bench/kernels/run_device.sh "$commit" tests
       tail -n 3 "$work/kernel-tests.log" | tee -a "$report") &
     wait ;;
   *)

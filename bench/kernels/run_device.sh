@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
 # One device call after the vLLM pieces are in place (../shared/gpu/README.md), from the repo root:
 #   bash bench/kernels/run_device.sh COMMIT [tests] [prefill] [moe]
-# tests: the GPU kernel tests; prefill: bench_lora_prefill (align and dense LoRA at prefill
-# sizes, ours against vLLM's); moe: bench_moe_lora tuning our op on vLLM's own inputs (--tune
-# writes kernels/configs/moe_lora_<gpu>.json; MOE_BATCHES limits the batches) and timing both
-# ops. No part named: all three. Logs, configs and rows under $OUT.
+# tests: the GPU tests under tests/kernels on 8 pytest-xdist workers (carry .whl: pytest and
+# pytest-xdist, installed into /tmp/site once per machine; pip's --target would replace
+# /tmp/site's folders of the same name, so never again over vLLM's set-up); prefill:
+# bench_lora_prefill (align and dense LoRA at prefill sizes, ours against vLLM's); moe:
+# bench_moe_lora tuning our op on vLLM's own inputs (--tune writes
+# kernels/configs/moe_lora_<gpu>.json; MOE_BATCHES limits the batches) and timing both ops.
+# No part named: all three. Logs, configs and rows under $OUT.
 set -uo pipefail
 commit=$1
 shift
 parts=${*:-tests prefill moe}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-[ -d /tmp/site/_pytest ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+if [ ! -d /tmp/site/xdist ]; then
+  compgen -G ".whl/*.whl" >/dev/null || { echo "no wheels: carry .whl" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 for part in $parts; do
   case "$part" in
-    tests)  # one limit per file: the MoE file alone took ~260 s on the H200 at 106 tests
-      for file in tests/kernels/ops/moe_lora/test_moe_lora_gpu.py \
-        tests/kernels/ops/lora_dense/test_lora_dense_gpu.py \
-        tests/kernels/ops/moe_lora_align/test_moe_lora_align_gpu.py; do
-        timeout 420 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu "$file" 2>&1 \
-          | tee -a "$OUT/gpu_tests.log" | tail -6
-      done ;;
+    tests)  # serially the MoE file alone took ~260 s on the H200 at 106 tests; 8 workers untimed
+      timeout "${TESTS_LIMIT_S:-420}" python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu \
+        -n 8 tests/kernels 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -6 ;;
     prefill)
       timeout 300 python3 bench/kernels/bench_lora_prefill.py --commit "$commit" --out "$OUT" 2>&1 \
         | tee "$OUT/bench_prefill.log" ;;
