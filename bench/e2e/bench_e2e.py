@@ -2,6 +2,7 @@
 
     PYTHONPATH=/tmp/site:. python3 bench/e2e/bench_e2e.py MODE --commit SHA --out DIR
         [--model qwen3-30b-a3b|gpt-oss-20b] [--tp N] [--spec ngram] [--log FILE]
+        [--lora-targets MODULE ...]
     MODE: base | stock | plugin | check-stock | check-plugin | check-plugin-graphs
           | check-stock-graphs | check-base | check-base-graphs | compare
           | poison-stock | poison-plugin | poison-stock-graphs | poison-plugin-graphs
@@ -110,6 +111,7 @@ def run_workload(ns: argparse.Namespace) -> dict:
         # The compile-cache key follows the switch main() set for the plugin (one source).
         plugin_on = os.environ[ENV_SWITCH] == "1"
         kw.update(enable_lora=True, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8,
+                  lora_target_modules=ns.lora_targets,
                   additional_config=compile_cache_config(plugin_on))  # fmt: skip
     prof_dir = None
     if ns.profile in ("decode", "prefill"):
@@ -604,7 +606,15 @@ def main() -> None:
         "prefills with the engine in this process",
     )  # fmt: skip
     parser.add_argument("--install", type=Path, help="write the plugin's dist-info here first")
+    parser.add_argument(
+        "--lora-targets", nargs="+", metavar="MODULE",
+        help="stock and plugin: vLLM's --lora-target-modules, the modules vLLM puts LoRA on "
+        "(by default every one it supports, the MoE router included, which the workload's "
+        "adapters never target)",
+    )  # fmt: skip
     ns = parser.parse_args()
+    if ns.lora_targets and ns.mode not in ("stock", "plugin"):
+        parser.error("--lora-targets applies to the stock and plugin modes")
     ns.out.mkdir(parents=True, exist_ok=True)
     ns.log_offset = ns.log.stat().st_size if ns.log and ns.log.exists() else 0
     if ns.install:
@@ -643,12 +653,15 @@ def main() -> None:
     # runs that differ only there can be told apart.
     if lora_env := {k: v for k, v in os.environ.items() if k.startswith("VLLM_LORA_")}:
         row["vllm_lora_env"] = lora_env
+    if ns.lora_targets:
+        row["lora_target_modules"] = ns.lora_targets
     # The engine core in this process (host profiles, or set by hand to see whether requests
     # reaching a separate engine core one by one split a prefill into more steps).
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         row["engine_in_process"] = True
     tp = f"-tp{ns.tp}" if ns.tp > 1 else ""
-    name = label if model == "check" else f"{ns.mode}-{model}{tp}"
+    targets = "-targets" if "lora_target_modules" in row else ""
+    name = label if model == "check" else f"{ns.mode}-{model}{tp}{targets}"
     (ns.out / f"e2e_{name}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 

@@ -86,8 +86,7 @@ def offline_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         b = base.get(_key(r))
         table.append({
             "model": r.get("model"), "tp": r.get("tp", 1),
-            # Rows of the decode variants' A/B (2026-11-28, docs/kernels.md) name the variant.
-            "mode": f"{r['mode']}[{r['variant']}]" if r.get("variant") else r["mode"],
+            "mode": mode_label(r),
             "otps": r["otps_per_req_median"],
             "vs_base": r["otps_per_req_median"] / b["otps_per_req_median"] if b else None,
             "prefill_vs_base": r["prefill_s_median"] / b["prefill_s_median"] if b else None,
@@ -95,6 +94,16 @@ def offline_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "startup_s": r.get("startup_s"), "startup": r.get("startup", {}),
         })  # fmt: skip
     return table
+
+
+def mode_label(row: dict[str, Any]) -> str:
+    """The row's mode, with what set it apart from the default run in brackets: the decode
+    variant of the 2026-11-28 A/B (docs/kernels.md), or vLLM's LoRA target modules."""
+    if row.get("variant"):
+        return f"{row['mode']}[{row['variant']}]"
+    if row.get("lora_target_modules"):
+        return f"{row['mode']}[targets={','.join(row['lora_target_modules'])}]"
+    return str(row["mode"])
 
 
 def server_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

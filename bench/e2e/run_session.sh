@@ -16,6 +16,9 @@
 #   g  decode anatomy: the plugin with a decode-step profile, GPT-OSS shape on GPU 0, then
 #      GPT-OSS base with one if the budget allows | Qwen3 shape on GPU 1 (a profiled run takes
 #      ~60 s past its repetitions; Qwen3 base's profile is of record, f0f8dcd)
+#   t  decode with vLLM's LoRA on the adapters' modules only (shapes.ADAPTER_TARGETS, no router
+#      LoRA): plugin, then stock, GPT-OSS shape on GPU 0 | Qwen3 shape on GPU 1; ratios over
+#      part a's base rows of the same machine hold
 #   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU
 #      kernel tests on GPU 1 (bench/kernels/run_device.sh tests: carry .whl); the TP=2 check is
 #      part c's
@@ -133,6 +136,15 @@ case "$part" in
     (export CUDA_VISIBLE_DEVICES=1
       bench plugin-qwen 360 plugin "${qwen[@]}" "${prof[@]}") &
     wait ;;
+  t)
+    targets=(--lora-targets $(python3 -c 'from bench.e2e.shapes import ADAPTER_TARGETS as t; print(*t)'))
+    (export CUDA_VISIBLE_DEVICES=0
+      bench plugin-oss-targets 300 plugin "${oss[@]}" "${targets[@]}"
+      bench stock-oss-targets 300 stock "${oss[@]}" "${targets[@]}") &
+    (export CUDA_VISIBLE_DEVICES=1
+      bench plugin-qwen-targets 300 plugin "${qwen[@]}" "${targets[@]}"
+      bench stock-qwen-targets 300 stock "${qwen[@]}" "${targets[@]}") &
+    wait ;;
   k)
     # The plugin with and without speculation (greedy agreement), base with it (step time).
     (export CUDA_VISIBLE_DEVICES=0
@@ -144,7 +156,7 @@ case "$part" in
       tail -n 3 "$work/kernel-tests.log" | tee -a "$report") &
     wait ;;
   *)
-    echo "unknown part $part (a b c d e f g k)" >&2
+    echo "unknown part $part (a b c d e f g t k)" >&2
     exit 2 ;;
 esac
 

@@ -57,6 +57,12 @@ GPT_OSS_20B = {
 
 MODELS: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
 
+# vLLM's LoRA target modules (`--lora-target-modules`, runtime names) that hold every module the
+# workload's adapters train: attention's packed qkv_proj, o_proj, and the experts. Without them
+# vLLM wraps the MoE router too (GPT-OSS `router`, Qwen3 `gate`) and runs its LoRA on zero weights
+# every step: ~180 us of a 4.7 ms GPT-OSS decode step on the H200 (docs/kernels.md).
+ADAPTER_TARGETS = ("qkv_proj", "o_proj", "experts")
+
 
 @dataclass(frozen=True)
 class Dims:
