@@ -71,7 +71,8 @@ class AdapterInvalid(AdapterError):
     def __init__(self, message: str, *, param: str | None = None, reason: str = "invalid") -> None:
         super().__init__(message, param=param)
         self.reason = reason
-        """A short fixed label (metrics): e.g. `rank`, `tensor_shape`, `pickle`, `name`."""
+        """A short fixed label (metrics): e.g. `rank`, `tensor_shape`, `pickle`, `name`,
+        `untargeted_module`."""
 
 
 class AdapterQuarantined(AdapterError):

@@ -7,11 +7,14 @@ vLLM's LRU never evicts behind its back. `pin_lora` keeps an adapter in a GPU sl
 unpin: `remove_lora` drops the pin with the adapter.
 
 The server's engine wrapper implements this Protocol (over `AsyncLLM.add_lora` etc.); the registry
-never imports the server, so the contract lives here.
+never imports the server, so the contract lives here, with `LoraTargets`: which modules the
+engine applies LoRA to when it was started with vLLM's `lora_target_modules`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.adapters_registry.base import ServableAdapter
@@ -43,3 +46,21 @@ class EngineLoraControl(Protocol):
     async def list_loras(self) -> set[int]:
         """Ids the engine currently holds in its CPU cache (pinned ones included)."""
         ...
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """The engine's deployment-time LoRA restriction (vLLM's `--lora-target-modules`).
+
+    vLLM then wraps only the modules the list names, yet loads an adapter with LoRA on any module
+    the model supports: that module's LoRA is silently not applied. The server builds this from
+    the started engine by vLLM's own rule (`loraplex.server.engine.lora_targets`); registration
+    refuses an adapter with LoRA on a module `serves` says no to. Without a restriction the
+    registry gets None and checks nothing.
+    """
+
+    modules: tuple[str, ...]
+    """The engine's list as vLLM parsed it (for messages)."""
+    serves: Callable[[str], bool]
+    """Whether the engine applies LoRA given for a module named as the adapter names it
+    (`model.layers.0.self_attn.q_proj`, `model.layers.0.mlp.experts.base_layer`). Pure."""

@@ -32,7 +32,7 @@ from loraplex.adapters_registry.catalog import Catalog
 from loraplex.adapters_registry.catalog_sync import CatalogSync
 from loraplex.adapters_registry.cleanup import sweep_leftovers
 from loraplex.adapters_registry.disk_cache import DiskCache
-from loraplex.adapters_registry.engine import EngineLoraControl
+from loraplex.adapters_registry.engine import EngineLoraControl, LoraTargets
 from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.names import check_new_name
 from loraplex.adapters_registry.pins import PinLimit
@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 
 
 class RegistryShape(TypedDict):
-    """What a registry is built for: the served base model, the engine's adapter slots, where
-    its disk cache (and, with registry.store unset, its store) lives, and its metrics."""
+    """What a registry is built for: the served base model, the engine's adapter slots and the
+    modules it applies LoRA to, where its disk cache (and, with registry.store unset, its store)
+    lives, and its metrics."""
 
     model_dir: Path
     base_model_name: str
@@ -58,6 +59,7 @@ class RegistryShape(TypedDict):
     max_loras: int
     max_cpu_loras: int
     cache_root: Path
+    lora_targets: NotRequired[LoraTargets | None]  # vLLM's lora_target_modules; default: None
     metrics_registry: NotRequired[CollectorRegistry]  # default: prometheus_client's REGISTRY
 
 
@@ -79,7 +81,10 @@ async def build_registry(
     quarantines = Quarantines(catalog, metrics)
     residency = Residency(tiers, cache, store, quarantines, metrics)
     source = AdapterRegistry(settings, CatalogSync(catalog, metrics), residency, quarantines)
-    registrar = Registrar(settings, spec, shape["max_lora_rank"], store, cache, metrics)
+    registrar = Registrar(
+        settings, spec, shape["max_lora_rank"], store, cache, metrics,
+        shape.get("lora_targets"),
+    )  # fmt: skip
     registry = ManagedRegistry(source, registrar, pins, metrics)
     try:
         await registry.refresh()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from loraplex.adapters_registry.base import AdapterInvalid, AdapterUnavailable
 from loraplex.adapters_registry.base_model import BaseModelSpec
 from loraplex.adapters_registry.disk_cache import CacheError, DiskCache, digest_folder
+from loraplex.adapters_registry.engine import LoraTargets
 from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.records import FileEntry
 from loraplex.adapters_registry.settings import RegistrySettings
@@ -42,6 +43,7 @@ class Registrar:
     store: ObjectStore  # where the version's files are published
     cache: DiskCache  # where they are installed
     metrics: RegistryMetrics
+    targets: LoraTargets | None = None  # the engine's lora_target_modules; None: unrestricted
 
     async def prepare(self, name: str, source: str) -> PreparedVersion:
         """`source`'s adapter as a version for `name` (the module docstring's steps). Raises
@@ -52,7 +54,7 @@ class Registrar:
             checked = await asyncio.to_thread(
                 validate_adapter, tmp, self.spec, max_lora_rank=self.max_lora_rank,
                 allowed_dtypes=set(self.settings.allowed_dtypes),
-                max_weight_abs=self.settings.max_weight_abs,
+                max_weight_abs=self.settings.max_weight_abs, targets=self.targets,
             )  # fmt: skip
             version, files = await asyncio.to_thread(digest_folder, tmp, ADAPTER_FILES)
             await asyncio.to_thread(publish_blobs, self.store, tmp, files)

@@ -2,9 +2,10 @@
 
 vLLM accepts adapters that then silently serve (part of) the base model: a target module the
 model does not have is skipped, a tensor of the wrong shape fails only at load inside the engine,
-a NaN weight poisons the batches it joins. Here every field, every tensor's header and every
-value is checked up front; the first problem raises AdapterInvalid naming the field or tensor,
-the bound, and a fixed `reason` label for metrics.
+a NaN weight poisons the batches it joins, and on an engine started with `lora_target_modules`
+the LoRA of a module outside that list loads and is never applied. Here every field, every
+tensor's header and every value is checked up front; the first problem raises AdapterInvalid
+naming the field or tensor, the bound, and a fixed `reason` label for metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec
+from loraplex.adapters_registry.engine import LoraTargets
 from loraplex.adapters_registry.peft_config import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -141,14 +143,29 @@ def _expected_shape(
     return (rank, in_f) if side == "A" else (out_f, rank)
 
 
+def _check_served(module: str, targets: LoraTargets | None) -> None:
+    """Refuse LoRA on `module` if the engine's `lora_target_modules` leaves it unwrapped."""
+    if targets is None or targets.serves(module):
+        return
+    raise invalid(
+        "untargeted_module",
+        f"module `{module}` has LoRA, but the engine applies LoRA only to modules matching "
+        f"lora_target_modules {list(targets.modules)}: vLLM would serve this adapter without "
+        "that module's LoRA",
+        module,
+    )
+
+
 def _check_tensors(
     tensors: dict[str, TensorInfo],
     config: CheckedConfig,
     spec: BaseModelSpec,
     dtypes: set[str],
     clock: PatternClock,
+    targets: LoraTargets | None,
 ) -> list[ServedTensor]:
-    """Each tensor with the factor it is served at; raises on a name, dtype or shape."""
+    """Each tensor with the factor it is served at; raises on a name, dtype, shape or a module
+    the engine does not wrap."""
     if not tensors:
         raise invalid("missing_weights", f"{WEIGHTS_FILE} holds no tensors", WEIGHTS_FILE)
     sides: dict[str, set[str]] = {}
@@ -167,6 +184,8 @@ def _check_tensors(
                 f"{list(expected)} for lora_{side} of `{module}`",
                 name,
             )
+        if module not in sides:
+            _check_served(module, targets)
         sides.setdefault(module, set()).add(side)
         scale = served_scale(config, _pattern_name(module, spec), clock) if side == "B" else 1.0
         served.append(ServedTensor(info, scale))
@@ -184,9 +203,11 @@ def validate_adapter(
     max_lora_rank: int,
     allowed_dtypes: set[str],
     max_weight_abs: float,
+    targets: LoraTargets | None = None,
 ) -> ValidatedAdapter:
     """Check `folder` (adapter_config.json + adapter_model.safetensors) against `spec`, every
-    weight within `max_weight_abs` as served (`values`).
+    weight within `max_weight_abs` as served (`values`), every module's LoRA applied by the
+    engine (`targets`: its `lora_target_modules`, None when unrestricted).
 
     Blocking (reads the whole weights file once). Raises AdapterInvalid; mutates nothing.
     """
@@ -205,7 +226,7 @@ def validate_adapter(
     except HeaderError as e:
         reason = "truncated" if "truncated" in str(e) else "bad_safetensors"
         raise invalid(reason, str(e), WEIGHTS_FILE) from e
-    served = _check_tensors(tensors, config, spec, allowed_dtypes, clock)
+    served = _check_tensors(tensors, config, spec, allowed_dtypes, clock, targets)
     check_values(folder / WEIGHTS_FILE, served, max_weight_abs)
     modules = len(served) // 2  # an A and a B each
     return ValidatedAdapter(rank=max(config.ranks.values()), modules=modules)

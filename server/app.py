@@ -17,6 +17,7 @@ from loraplex.server.access_log import AccessLogMiddleware, install_json_handler
 from loraplex.server.body_limit import BodyLimitMiddleware
 from loraplex.server.drain import Drain, DrainGate
 from loraplex.server.engine.client import EngineClient
+from loraplex.server.engine.lora_targets import lora_targets
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.generation import Gateway
 from loraplex.server.lora_activity import LoraActivity
@@ -94,6 +95,7 @@ def create_app(settings: Settings) -> FastAPI:
                     max_lora_rank=settings.engine.max_lora_rank,
                     max_loras=settings.engine.max_loras,
                     max_cpu_loras=settings.engine.max_cpu_loras,
+                    lora_targets=lora_targets(engine.vllm_config),
                     cache_root=settings.cache_dir / "adapters",
                     seed_dir=served.adapters_dir,
                 ) as adapters,

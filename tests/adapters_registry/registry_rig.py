@@ -15,6 +15,7 @@ from registry_builders import adapter_config, dense_tensors, write_adapter
 from registry_fake_engine import FakeEngine
 
 from loraplex.adapters_registry.admin import ManagedRegistry
+from loraplex.adapters_registry.engine import LoraTargets
 from loraplex.adapters_registry.lifecycle import build_registry
 from loraplex.adapters_registry.settings import RegistrySettings
 
@@ -35,7 +36,11 @@ class Rig:
         return f"s3://{self.bucket}/src/{name}/"
 
     async def registry(
-        self, cache: str, engine: FakeEngine | None = None, endpoint: str | None = None
+        self,
+        cache: str,
+        engine: FakeEngine | None = None,
+        endpoint: str | None = None,
+        lora_targets: LoraTargets | None = None,
     ) -> ManagedRegistry:
         settings = RegistrySettings(
             store=f"s3://{self.bucket}/registry", s3_endpoint_url=endpoint or self.endpoint,
@@ -44,7 +49,7 @@ class Rig:
         return await build_registry(
             settings, engine or FakeEngine(), model_dir=self.model, base_model_name="tiny",
             max_lora_rank=16, max_loras=2, max_cpu_loras=3, cache_root=self.tmp / cache,
-            metrics_registry=CollectorRegistry(),
+            lora_targets=lora_targets, metrics_registry=CollectorRegistry(),
         )  # fmt: skip
 
 
