@@ -9,9 +9,9 @@
 
 Start-up reads the base model's config and safetensors headers, rebuilds the disk cache index from
 disk, reads the catalog (snapshot + log tail), removes what killed processes left in the store and
-the disk cache (`cleanup`), registers the adapters of `registry.local_dir` (or `seed_dir`;
-idempotent: unchanged ones are already there), then polls the store every
-`registry.poll_interval_s` for other replicas' changes until the block exits.
+the disk cache (`cleanup`), registers the adapters of `registry.local_dir` (or `seed_dir`, leaving
+out any the registry refuses; idempotent: unchanged ones are already there), then polls the store
+every `registry.poll_interval_s` for other replicas' changes until the block exits.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NotRequired, TypedDict, Unpack
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from loraplex.adapters_registry.admin import ManagedRegistry
-from loraplex.adapters_registry.base import AdapterError
+from loraplex.adapters_registry.base import AdapterError, AdapterInvalid
 from loraplex.adapters_registry.base_model import load_base_model_spec
 from loraplex.adapters_registry.catalog import Catalog
 from loraplex.adapters_registry.catalog_sync import CatalogSync
@@ -94,8 +94,11 @@ async def build_registry(
     return registry
 
 
-async def seed(registry: ManagedRegistry, folder: Path) -> None:
-    """Register every adapter subfolder of `folder` under its folder name (unchanged: no-op)."""
+async def seed(registry: ManagedRegistry, folder: Path, *, examples: bool = False) -> None:
+    """Register every adapter subfolder of `folder` under its folder name (unchanged: no-op).
+    Raises AdapterInvalid, but with `examples` (the demo's adapters) one the registry refuses
+    is logged and left out: the demo's MLP adapter on an engine whose lora_target_modules leave
+    the MLP out must not stop the start."""
     subfolders = await asyncio.to_thread(
         lambda: sorted(p for p in folder.iterdir() if (p / CONFIG_FILE).is_file())
     )
@@ -105,7 +108,13 @@ async def seed(registry: ManagedRegistry, folder: Path) -> None:
         except AdapterError as e:  # a folder a name cannot take must not stop the start
             log.warning("adapter folder %s not registered: %s", sub, e.message)
             continue
-        info = await registry.register(sub.name, str(sub))
+        try:
+            info = await registry.register(sub.name, str(sub))
+        except AdapterInvalid as e:
+            if not examples:
+                raise
+            log.warning("demo adapter %s not registered: %s", sub.name, e.message)
+            continue
         log.info("adapter %s registered from %s (version %s)", sub.name, sub, info.version[:12])
 
 
@@ -121,9 +130,10 @@ async def open_adapter_source(
     registry = await build_registry(settings, engine, **shape)
     try:
         await sweep_leftovers(registry.sync, registry.cache, settings.orphan_grace_s)
-        folder = settings.local_dir or seed_dir
-        if folder is not None:
-            await seed(registry, folder)
+        if settings.local_dir is not None:
+            await seed(registry, settings.local_dir)
+        elif seed_dir is not None:
+            await seed(registry, seed_dir, examples=True)
         poller = asyncio.create_task(registry.poll_forever(), name="registry-poll")
         try:
             yield registry

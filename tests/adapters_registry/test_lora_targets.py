@@ -6,12 +6,14 @@ and Qwen3-MoE's are the same `qkv_proj` mapping in 0.26)."""
 from __future__ import annotations
 
 import json
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from registry_builders import (
     EXPERTS,
     HIDDEN,
@@ -22,6 +24,7 @@ from registry_builders import (
     per_expert_tensors,
     write_adapter,
 )
+from registry_fake_engine import FakeEngine
 from registry_rig import Rig, metric
 from safetensors.torch import load_file, save_file
 from vllm.lora.utils import is_in_target_modules
@@ -38,9 +41,11 @@ from bench.e2e.shapes import (
     make_model,
     write_shape_only_checkpoint,
 )
+from loraplex.adapters_registry.admin import ManagedRegistry
 from loraplex.adapters_registry.base import AdapterInvalid
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
 from loraplex.adapters_registry.engine import LoraTargets
+from loraplex.adapters_registry.lifecycle import open_adapter_source
 from loraplex.adapters_registry.settings import RegistrySettings
 from loraplex.adapters_registry.validation import validate_adapter
 from loraplex.server.engine.lora_targets import applies_lora, lora_targets, runtime_module
@@ -252,3 +257,33 @@ def test_the_bench_adapters_pass_with_attention_and_experts_targeted_and_a_route
         validate(with_router)
     assert info.value.reason == "untargeted_module"
     assert info.value.param == f"model.layers.0.{router}"
+
+
+def restricted_source(
+    rig: Rig, settings: RegistrySettings, cache_root: Path, seed_dir: Path | None = None
+) -> AbstractAsyncContextManager[ManagedRegistry]:
+    return open_adapter_source(
+        settings, FakeEngine(), model_dir=rig.model, base_model_name="tiny", max_lora_rank=16,
+        max_loras=2, max_cpu_loras=3, lora_targets=llama_targets("qkv_proj"),
+        cache_root=cache_root, seed_dir=seed_dir, metrics_registry=CollectorRegistry(),
+    )  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_the_demo_seed_leaves_out_what_a_restricted_engine_refuses_local_dir_does_not(
+    rig: Rig, tmp_path: Path
+) -> None:
+    seeds = tmp_path / "seeds"
+    write_adapter(seeds / "attn", adapter_config(), dense_tensors(seed=1))
+    write_adapter(
+        seeds / "mlp", adapter_config(targets=["q_proj", "down_proj"]),
+        dense_tensors(modules=("self_attn.q_proj", "mlp.down_proj"), seed=2),
+    )  # fmt: skip
+    settings = RegistrySettings(store=f"s3://{rig.bucket}/registry", s3_endpoint_url=rig.endpoint)
+    async with restricted_source(rig, settings, tmp_path / "demo", seed_dir=seeds) as served:
+        assert served.names() == ["attn"]
+    local = settings.model_copy(update={"local_dir": seeds})
+    with pytest.raises(AdapterInvalid) as err:
+        async with restricted_source(rig, local, tmp_path / "local"):
+            pass
+    assert err.value.reason == "untargeted_module"

