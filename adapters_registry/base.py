@@ -85,6 +85,16 @@ class AdapterQuarantined(AdapterError):
     code = "adapter_quarantined"
 
 
+class AdapterNotApplied(AdapterError):
+    """The version a request names has LoRA on a module this replica's engine leaves unwrapped
+    (its `lora_target_modules`): registered before that restriction, or by a replica without
+    it. vLLM would serve it without that LoRA, silently. 422 as a quarantine: retrying here
+    will not fix it; a version without the module, or an engine that wraps it, will."""
+
+    kind = ErrorKind.UNPROCESSABLE
+    code = "adapter_not_applied"
+
+
 class AdapterConflict(AdapterError):
     """The operation contradicts the catalog's state (e.g. rollback with no earlier version)."""
 

@@ -79,7 +79,7 @@ async def build_registry(
     tiers = EngineTiers(engine, max_cpu=shape["max_cpu_loras"], pins=pins, metrics=metrics)
     catalog = Catalog(store)
     quarantines = Quarantines(catalog, metrics)
-    residency = Residency(tiers, cache, store, quarantines, metrics)
+    residency = Residency(tiers, cache, store, quarantines, metrics, shape.get("lora_targets"))
     source = AdapterRegistry(settings, CatalogSync(catalog, metrics), residency, quarantines)
     registrar = Registrar(
         settings, spec, shape["max_lora_rank"], store, cache, metrics,

@@ -12,7 +12,8 @@ versions are pinned, others unpinned (in a task: an unpin waits for a moment wit
 flight).
 
 Versions are resolved by the caller; a quarantined one is refused here too, right before each
-hold, since it may be quarantined while it loads. Runs on the event loop.
+hold, since it may be quarantined while it loads, and so is one with LoRA on a module the engine's
+`lora_target_modules` leave unwrapped, before its load. Runs on the event loop.
 """
 
 from __future__ import annotations
@@ -25,15 +26,22 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.adapters_registry.base import AdapterError, AdapterUnavailable, ServableAdapter
+from loraplex.adapters_registry.base import (
+    AdapterError,
+    AdapterNotApplied,
+    AdapterUnavailable,
+    ServableAdapter,
+)
 from loraplex.adapters_registry.catalog import blob_key
 from loraplex.adapters_registry.disk_cache import CacheError, DiskCache, HashMismatch
+from loraplex.adapters_registry.engine import LoraTargets
 from loraplex.adapters_registry.metrics import RegistryMetrics
 from loraplex.adapters_registry.quarantine import Quarantines
 from loraplex.adapters_registry.records import FileEntry, VersionRecord
 from loraplex.adapters_registry.single_flight import SingleFlight
 from loraplex.adapters_registry.store import ContentMismatch, ObjectStore, StoreError
 from loraplex.adapters_registry.tiers import EngineTier, EngineTiers
+from loraplex.adapters_registry.validation import WEIGHTS_FILE, untargeted_module
 
 log = logging.getLogger(__name__)
 _FETCH_ATTEMPTS = 2  # a body that fails its hash is fetched once more before giving up
@@ -64,6 +72,9 @@ class Residency:
     store: ObjectStore  # where versions are fetched from
     quarantines: Quarantines  # refused right before each hold
     metrics: RegistryMetrics
+    # The engine's lora_target_modules: a version is checked against them before each load (it
+    # may have been registered before them, or by a replica without them). None: unrestricted.
+    targets: LoraTargets | None = None
     _loads: SingleFlight[int, None] = field(default_factory=SingleFlight, init=False)
     _fetches: SingleFlight[str, bool] = field(default_factory=SingleFlight, init=False)
     # Versions a prefetch downloaded that no load has taken from disk yet: that load counts
@@ -129,7 +140,23 @@ class Residency:
             else:
                 self.metrics.hits.labels("disk").inc()
             self.quarantines.check(record, record.name)  # quarantined during the download
+            await self._check_applied(record)
             await self.tiers.load(self.servable(record), record.size_bytes)
+
+    async def _check_applied(self, record: VersionRecord) -> None:
+        """Refuse a version this engine would serve without part of its LoRA (`targets`)."""
+        if self.targets is None:
+            return
+        weights = self.cache.path(record.version) / WEIGHTS_FILE
+        module = await asyncio.to_thread(untargeted_module, weights, self.targets)
+        if module is not None:
+            raise AdapterNotApplied(
+                f"adapter `{record.name}` has LoRA on module `{module}`, which this server's "
+                f"engine does not apply (lora_target_modules {list(self.targets.modules)}): it "
+                "would be served without that LoRA. Register a version without it, or serve it "
+                "from an engine that targets the module.",
+                param="model",
+            )
 
     async def _on_disk(self, record: VersionRecord) -> bool:
         """Whether the files had to be fetched (by this call or one it joined)."""

@@ -156,6 +156,17 @@ def _check_served(module: str, targets: LoraTargets | None) -> None:
     )
 
 
+def untargeted_module(weights: Path, targets: LoraTargets) -> str | None:
+    """The first module `weights` (a registered version's safetensors file) gives LoRA to that an
+    engine restricted to `targets` leaves unwrapped, or None. Reads the header only: the file
+    passed validation at registration."""
+    for name in read_header(weights):
+        module, _ = _split_tensor_name(name)
+        if not targets.serves(module):
+            return module
+    return None
+
+
 def _check_tensors(
     tensors: dict[str, TensorInfo],
     config: CheckedConfig,

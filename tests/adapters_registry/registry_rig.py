@@ -27,10 +27,11 @@ class Rig:
         self.tmp, self.bucket, self.endpoint, self.model = tmp_path, bucket, endpoint, dense_model
         self.s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
 
-    def source(self, name: str, seed: int = 0, **config: Any) -> str:
-        folder = write_adapter(
-            self.tmp / "src" / name, adapter_config(**config), dense_tensors(seed=seed)
-        )
+    def source(
+        self, name: str, seed: int = 0, modules: tuple[str, ...] | None = None, **config: Any
+    ) -> str:
+        tensors = dense_tensors(seed=seed, **({"modules": modules} if modules else {}))
+        folder = write_adapter(self.tmp / "src" / name, adapter_config(**config), tensors)
         for f in folder.iterdir():
             self.s3.upload_file(str(f), self.bucket, f"src/{name}/{f.name}")
         return f"s3://{self.bucket}/src/{name}/"

@@ -42,7 +42,7 @@ from bench.e2e.shapes import (
     write_shape_only_checkpoint,
 )
 from loraplex.adapters_registry.admin import ManagedRegistry
-from loraplex.adapters_registry.base import AdapterInvalid
+from loraplex.adapters_registry.base import AdapterInvalid, AdapterNotApplied
 from loraplex.adapters_registry.base_model import BaseModelSpec, load_base_model_spec
 from loraplex.adapters_registry.engine import LoraTargets
 from loraplex.adapters_registry.lifecycle import open_adapter_source
@@ -219,6 +219,33 @@ async def test_a_refused_registration_changes_nothing(rig: Rig, tmp_path: Path) 
     assert metric(reg, "loraplex_adapter_validation_failures_total",
                   reason="untargeted_module") == 1  # fmt: skip
     assert list((rig.tmp / "a" / "disk" / "tmp").iterdir()) == []
+
+
+@pytest.mark.anyio
+async def test_a_version_registered_without_the_restriction_is_refused_before_its_load(
+    rig: Rig,
+) -> None:
+    """Registered by a replica (or an earlier start) without lora_target_modules: a restricted
+    replica refuses a request for it (422 adapter_not_applied, naming the module) and never
+    loads it; a version whose modules it wraps serves."""
+    unrestricted = await rig.registry("a")
+    mlp = ("self_attn.q_proj", "mlp.down_proj")
+    await unrestricted.register("with-mlp", rig.source("with-mlp", targets=["q_proj", "down_proj"],
+                                                       modules=mlp))  # fmt: skip
+    await unrestricted.register("attn", rig.source("attn"))
+    engine = FakeEngine()
+    restricted = await rig.registry("b", engine, lora_targets=llama_targets("qkv_proj", "o_proj"))
+    with pytest.raises(AdapterNotApplied) as err:
+        async with restricted.lease("with-mlp"):
+            pass
+    assert err.value.param == "model"
+    assert "`model.layers.0.mlp.down_proj`" in err.value.message
+    assert "['qkv_proj', 'o_proj']" in err.value.message
+    assert engine.add_calls == 0
+    async with restricted.lease("attn") as adapter:
+        assert engine.loaded == {adapter.engine_id: adapter.path}
+    async with unrestricted.lease("with-mlp"):  # the replica without the restriction serves it
+        pass
 
 
 @pytest.mark.parametrize(
