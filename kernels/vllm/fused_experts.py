@@ -1,18 +1,21 @@
-"""vLLM 0.26's `TritonExperts` with the gate/up LoRA expand fused into SiLU-and-mul.
+"""vLLM 0.26's `TritonExperts` with the gate/up LoRA expand fused into the activation.
 
 For a LoRA batch `TritonExperts.apply` (vllm/model_executor/layers/fused_moe/experts/
 triton_moe.py) runs the base gate/up GEMM into `intermediate_cache1`, then `apply_w13_lora`
 (the MoE-LoRA op, adding into that buffer), then `activation(intermediate_cache2,
 intermediate_cache1)`. With these two methods in place, `apply_w13_lora` runs the op's shrink
-only (`ops.moe_lora.op.defer_gate_up_expand`) and `activation` adds the LoRA on the fly into
-SiLU-and-mul (`ops.moe_lora.act.expand_silu_and_mul`): the buffer is read once, not read, written
-and read again.
+only (`ops.moe_lora.op.defer_gate_up_expand`) and `activation` adds the LoRA on the fly into the
+activation (`ops.moe_lora.act`): the buffer is read once, not read, written and read again. Two
+calls are fused: plain SiLU on two slices side by side (`FusedMoEWithLoRA`, Qwen3:
+`expand_silu_and_mul`), and swigluoai on one slice (`FusedMoE3DWithLoRA`, GPT-OSS, whose gate and
+up are interleaved as swigluoai reads them: `expand_swigluoai_and_mul`, at the alpha and limit
+vLLM's swigluoai_and_mul defaults to, which vLLM's fused experts call it with).
 
 Everything else goes the stock way: subclasses of TritonExperts (their `apply` may differ),
 vLLM's dual-stream option (it asks for the delta alone, add_inputs=False), expert parallelism,
 swapped slices, steps without adapters (`_batch_has_adapters`), calls our op declines (vLLM's
-kernel then adds as before), and activations other than plain SiLU, before which the deferred
-expand is launched unfused.
+kernel then adds as before), and any other activation or layout (clamped SiLU, SiLU on one
+slice, swigluoai on two), before which the deferred expand is launched unfused.
 
 At prefill sizes both LoRAs run on a side stream beside the base GEMMs (`side_stream`): the
 gate/up LoRA's routing and shrink from `apply`'s entry, which marks its inputs ready (so `apply`
@@ -26,7 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul, fits
+from loraplex.kernels.ops.moe_lora.act import (
+    expand_silu_and_mul,
+    expand_swigluoai_and_mul,
+    fits,
+)
 from loraplex.kernels.ops.moe_lora.op import SplitExpand, defer_gate_up_expand
 from loraplex.kernels.vllm.side_stream import (
     READY,
@@ -65,10 +72,10 @@ def _join_gate_up_side(experts: Any) -> None:
 def fused_methods(
     experts_cls: type, apply: Callable[..., Any], apply_w13_lora: Callable[..., Any],
     activation: Callable[..., Any], apply_w2_lora: Callable[..., Any],
-    moe_sum: Callable[..., Any], silu: object,
+    moe_sum: Callable[..., Any], silu: object, swigluoai: object,
 ) -> tuple[Callable[..., Any], ...]:  # fmt: skip
     """(apply, apply_w13_lora, activation, apply_w2_lora, moe_sum) for `experts_cls`, wrapping
-    its originals; `silu` is vLLM's MoEActivation.SILU."""
+    its originals; `silu` and `swigluoai` are vLLM's MoEActivation.SILU and .SWIGLUOAI."""
 
     def marking_apply(self: Any, *args: Any, **kwargs: Any) -> Any:
         hidden_states, topk_ids = kwargs.get("hidden_states"), kwargs.get("topk_ids")
@@ -105,13 +112,24 @@ def fused_methods(
         self.__dict__[BESIDE] = True
         return routing
 
+    def fused_activation(self: Any, kind: Any, expand: SplitExpand) -> Callable[..., None] | None:
+        """The fused form of this activation on the expand's layout, if there is one."""
+        if kind == silu and expand.slices() == 2:
+            # SiLU with a clamp limit is another kernel; an unknown config is not unclamped.
+            unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
+            return expand_silu_and_mul if unclamped else None
+        if kind == swigluoai and expand.slices() == 1:
+            return expand_swigluoai_and_mul
+        return None
+
     def fusing_activation(self: Any, kind: Any, output: Any, input: Any, **kwargs: Any) -> None:
         _join_gate_up_side(self)
         pending: list[SplitExpand] = self.__dict__.pop(PENDING, [])
-        # SiLU with a clamp limit is another kernel; an unknown config is not taken as unclamped.
-        unclamped = getattr(self.quant_config, "gemm1_clamp_limit", "unknown") is None
-        if len(pending) == 1 and kind == silu and unclamped and fits(pending[0], input, output):
-            expand_silu_and_mul(pending[0], output)
+        fused = None
+        if len(pending) == 1 and fits(pending[0], input, output):
+            fused = fused_activation(self, kind, pending[0])
+        if fused is not None:
+            fused(pending[0], output)
         else:
             for expand in pending:
                 expand.launch()
@@ -128,10 +146,11 @@ def fused_methods(
 METHODS = ("apply", "apply_w13_lora", "activation", "apply_w2_lora", "moe_sum")
 
 
-def install(experts_cls: type, silu: object) -> None:
-    """Replace experts_cls's five methods (METHODS) with ours wrapping them."""
+def install(experts_cls: type, silu: object, swigluoai: object) -> None:
+    """Replace experts_cls's five methods (METHODS) with ours wrapping them; `silu` and
+    `swigluoai` are the activation kinds its `activation` is called with."""
     apply, w13, activation, w2, moe_sum = (getattr(experts_cls, name) for name in METHODS)
-    ours = fused_methods(experts_cls, apply, w13, activation, w2, moe_sum, silu)
+    ours = fused_methods(experts_cls, apply, w13, activation, w2, moe_sum, silu, swigluoai)
     for name, method in zip(METHODS, ours, strict=True):
         setattr(experts_cls, name, method)
 
@@ -142,4 +161,4 @@ def patch_triton_experts() -> None:
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
     if not getattr(TritonExperts.activation, "_loraplex", False):
-        install(TritonExperts, MoEActivation.SILU)
+        install(TritonExperts, MoEActivation.SILU, MoEActivation.SWIGLUOAI)

@@ -19,7 +19,7 @@ from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
 from tests.support.kernel_isolation import (
     POISONS,
     check_dense,
-    check_expand_silu_and_mul,
+    check_expand_activation,
     check_moe_op,
 )
 from tests.support.moe_lora_cases import Case
@@ -47,6 +47,9 @@ DOWN_DELTA = Case(6, 2, 8, 16, 3, "distinct", no_adapter=0.3, mul_routed_weight=
 SORTED = Case(16, 2, 4, 8, 3, "distinct", no_adapter=0.3, k=64, n=40, sorted_form=True)
 SORTED_PLUGIN = dataclasses.replace(SORTED, specialize_active=True)
 SORTED_DOWN_DELTA = dataclasses.replace(SORTED, slices=1, mul_routed_weight=True, add_inputs=False)
+# GPT-OSS's gate/up call in vLLM's 3D layout: one slice, gate and up interleaved (swigluoai).
+GATE_UP_3D = dataclasses.replace(GATE_UP, slices=1, n=80)
+SORTED_PLUGIN_3D = dataclasses.replace(SORTED_PLUGIN, slices=1, n=80)
 
 OP_CALLS = {
     "naive_split": (GATE_UP, SPLIT, FP32, "nan"),
@@ -75,13 +78,16 @@ ACT_CALLS = {
     "naive_gemv": (GATE_UP, GEMV_BOTH, FP32, "nan"),
     "naive_split_fp16_huge": (GATE_UP, SPLIT, FP16, "huge"),
     "sorted_plugin_order_split_slices": (SORTED_PLUGIN, SPLIT_SLICES, FP32, "nan"),
+    "naive_gemv_interleaved": (GATE_UP_3D, GEMV_BOTH, FP32, "nan"),
+    "sorted_plugin_order_split_interleaved_fp16_huge": (SORTED_PLUGIN_3D, SPLIT, FP16, "huge"),
 }
 
 
 @pytest.mark.parametrize("name", list(ACT_CALLS))
-def test_gate_up_expand_fused_into_silu_and_mul(name: str) -> None:
+def test_gate_up_expand_fused_into_the_activation(name: str) -> None:
+    """SiLU-and-mul on two slices, swigluoai on one interleaved (the `interleaved` calls)."""
     case, config, dtype, poison = ACT_CALLS[name]
-    check_expand_silu_and_mul(case, config, dtype, DEVICE, POISONS[poison])
+    check_expand_activation(case, config, dtype, DEVICE, POISONS[poison])
 
 
 # (tokens, tiled order or None for the decode GEMVs, add_inputs, dtype, poison); q/k/v-like

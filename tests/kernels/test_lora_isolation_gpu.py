@@ -22,7 +22,7 @@ from tests.support.kernel_isolation import (
     LATER,
     POISONS,
     check_dense,
-    check_expand_silu_and_mul,
+    check_expand_activation,
     check_moe_op,
     poison,
 )
@@ -104,18 +104,29 @@ def test_prefill_sizes(name: str, config: str, value: str) -> None:
     check_moe_op(PREFILL[name], CONFIGS[config], dtype, "cuda", POISONS[poison_name])
 
 
+# The gate/up call in vLLM's 3D layout (GPT-OSS's): one slice, gate and up interleaved, fused
+# into swigluoai.
+INTERLEAVED = {
+    "e2e_w13_3d_t8": dataclasses.replace(_e2e(8, "w13"), n=512, slices=1),
+    "e2e_w13_3d_t128_bm16": dataclasses.replace(
+        _e2e(128, "w13", sorted_form=True), n=512, slices=1
+    ),
+}
+
+
 @pytest.mark.parametrize("value", list(VALUES))
 @pytest.mark.parametrize(
     ("name", "config"),
     [("e2e_w13_t8", SPLIT), ("e2e_w13_t8", GEMV_BOTH), ("qwen_w13_t16_zipf", SPLIT_SLICES),
-     ("e2e_w13_t128_bm16", SPLIT), ("qwen_w13_t1024_bm64", SPLIT_SLICES)],
+     ("e2e_w13_t128_bm16", SPLIT), ("qwen_w13_t1024_bm64", SPLIT_SLICES),
+     ("e2e_w13_3d_t8", SPLIT), ("e2e_w13_3d_t8", GEMV_BOTH), ("e2e_w13_3d_t128_bm16", SPLIT)],
 )  # fmt: skip
-def test_gate_up_expand_fused_into_silu_and_mul(
+def test_gate_up_expand_fused_into_the_activation(
     name: str, config: MoeLoraConfig, value: str
 ) -> None:
     dtype, poison_name = VALUES[value]
-    check_expand_silu_and_mul({**NAIVE, **SORTED, **PREFILL}[name], config, dtype, "cuda",
-                              POISONS[poison_name])  # fmt: skip
+    case = {**NAIVE, **SORTED, **PREFILL, **INTERLEAVED}[name]
+    check_expand_activation(case, config, dtype, "cuda", POISONS[poison_name])
 
 
 @pytest.mark.parametrize("value", list(VALUES))

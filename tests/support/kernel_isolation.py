@@ -22,10 +22,9 @@ import torch
 from loraplex.kernels.ops.lora_dense.op import lora_dense
 from loraplex.kernels.ops.lora_dense.reference import lora_sort_meta
 from loraplex.kernels.ops.lora_dense.tiled import lora_dense_tiled
-from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
 from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
-from tests.support.moe_lora_cases import Case, make_inputs
+from tests.support.moe_lora_cases import Case, fused_activation, gate_up_call, make_inputs
 
 POISONED = 0  # the slot whose weights are poisoned
 LATER = {POISONED: -1}  # its tokens in the later call: moved to no adapter
@@ -110,21 +109,21 @@ def check_moe_op(
                 _pairs(case), value)  # fmt: skip
 
 
-def check_expand_silu_and_mul(
+def check_expand_activation(
     case: Case, config: MoeLoraConfig, dtype: torch.dtype, device: str, value: float
 ) -> None:
-    """The gate/up call's shrink, its expand fused into SiLU-and-mul (the plugin's activation);
-    the activation's output, rows per pair."""
+    """The gate/up call's shrink, its expand fused into the plugin's activation (SiLU-and-mul
+    for two slices, swigluoai for one interleaved); the activation's output, rows per pair."""
 
     def run(inputs: dict[str, Any]) -> torch.Tensor:
-        inputs["output"] = inputs["output"][..., : 2 * case.n]
         with defer_gate_up_expand() as deferred:
             fused_moe_lora(**inputs, shrink_block_size_m=case.block_m, config=config)
-        out = torch.empty(case.tokens * case.top_k, case.n, dtype=dtype, device=device)
-        expand_silu_and_mul(deferred[0], out)
+        width = inputs["output"].shape[-1] // 2
+        out = torch.empty(case.tokens * case.top_k, width, dtype=dtype, device=device)
+        fused_activation(deferred[0], out)
         return out
 
-    _three_ways(lambda remap: make_inputs(case, dtype, device, 3, remap), run, _weights,
+    _three_ways(lambda remap: gate_up_call(case, dtype, device, 3, remap), run, _weights,
                 _pairs(case), value)  # fmt: skip
 
 

@@ -9,11 +9,17 @@ import torch
 
 from bench.kernels.moe_lora_workload import Popularity as WorkloadPopularity
 from bench.kernels.moe_lora_workload import token_slots
-from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul
+from loraplex.kernels.ops.moe_lora.act import (
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+    expand_silu_and_mul,
+    expand_swigluoai_and_mul,
+)
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
-from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
+from loraplex.kernels.ops.moe_lora.op import SplitExpand, defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.ops.moe_lora.reference import (
     expand_silu_and_mul_reference,
+    expand_swigluoai_and_mul_reference,
     fused_moe_lora_reference,
     pairs_to_update,
 )
@@ -193,26 +199,59 @@ def _cpu_args(args: dict[str, Any]) -> dict[str, Any]:
     return cpu_args
 
 
-def check_expand_silu_and_mul(
+def fused_activation(expand: SplitExpand, out: torch.Tensor) -> None:
+    """The plugin's fused activation for the call's layout: SiLU-and-mul for two slices side by
+    side (Qwen3), swigluoai at vLLM's alpha and limit for one slice interleaved (GPT-OSS)."""
+    if expand.slices() == 2:
+        expand_silu_and_mul(expand, out)
+    else:
+        expand_swigluoai_and_mul(expand, out)
+
+
+# A GPT-OSS-like buffer: values past swigluoai's limit (7) on both sides, so its clamps act.
+SWIGLUOAI_BUFFER_SCALE = 4.0
+
+
+def gate_up_call(
+    case: Case, dtype: torch.dtype, device: str, seed: int, remap: dict[int, int] | None = None
+) -> dict[str, Any]:
+    """`make_inputs` for a gate/up call: the output cut to the call's width (a view of wider
+    rows, as vLLM's strided buffers may be); one slice (2I interleaved columns) is scaled by
+    SWIGLUOAI_BUFFER_SCALE."""
+    assert case.slices in (1, 2) and case.offset == 0 and case.add_inputs
+    assert not case.mul_routed_weight
+    args = make_inputs(case, dtype, device, seed, remap)
+    gate_up = args["output"][..., : case.slices * case.n]
+    if case.slices == 1:
+        assert case.n % 2 == 0, "an interleaved gate/up call has an even width"
+        gate_up.mul_(SWIGLUOAI_BUFFER_SCALE)
+    args["output"] = gate_up
+    return args
+
+
+def check_expand_activation(
     case: Case, config: MoeLoraConfig, dtype: torch.dtype, device: str, seed: int
 ) -> float:
-    """The gate/up op deferred (`defer_gate_up_expand`), then its expand fused into SiLU-and-mul,
-    against the spec; returns the relative error of the activation. The buffer must be left as
-    it was: the shrink alone does not touch it and the fused kernel only reads it. It is a view
-    of wider rows (make_inputs adds spare columns), as vLLM's strided buffers may be."""
-    assert case.slices == 2 and case.offset == 0 and case.add_inputs
-    assert not case.mul_routed_weight
-    args = make_inputs(case, dtype, device, seed)
-    gate_up = args["output"][..., : 2 * case.n]
-    args["output"] = gate_up
+    """The gate/up op deferred (`defer_gate_up_expand`), then its expand fused into the
+    activation (`fused_activation`), against the spec; returns the relative error of the
+    activation. The buffer must be left as it was: the shrink alone does not touch it and the
+    fused kernel only reads it."""
+    args = gate_up_call(case, dtype, device, seed)
+    gate_up = args["output"]
     before = gate_up.clone()
-    want = expand_silu_and_mul_reference(before.cpu(), **_cpu_args(args), block_size=case.block_m)
+    cpu_args = {**_cpu_args(args), "block_size": case.block_m}
+    if case.slices == 2:
+        want = expand_silu_and_mul_reference(before.cpu(), **cpu_args)
+    else:
+        want = expand_swigluoai_and_mul_reference(before.cpu(), SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,
+                                                  **cpu_args)  # fmt: skip
     with defer_gate_up_expand() as deferred:
         fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=config)
     assert len(deferred) == 1, "a split gate/up call must leave its expand"
     assert torch.equal(gate_up, before), "the shrink alone changed the buffer"
-    out = torch.full((case.tokens * case.top_k, case.n), 777.0, dtype=dtype, device=device)
-    expand_silu_and_mul(deferred[0], out)
+    width = gate_up.shape[-1] // 2
+    out = torch.full((case.tokens * case.top_k, width), 777.0, dtype=dtype, device=device)
+    fused_activation(deferred[0], out)
     assert torch.equal(gate_up, before), "the fused kernel wrote the buffer"
     got = out.double().cpu()
     assert not torch.isnan(got).any()

@@ -1,25 +1,35 @@
-"""Triton body of the gate/up expand fused into SiLU-and-mul (launcher: `act`).
+"""Triton body of the gate/up expand fused into the activation (launcher: `act`).
 
 vLLM's fused experts add the gate/up LoRA into their intermediate buffer (read and write every
-pair's 2N columns), then read it again for SiLU-and-mul. This kernel reads the buffer once, adds
+pair's 2N columns), then read it again for the activation. This kernel reads the buffer once, adds
 the LoRA on chip and writes only the N activated columns. At a prefill of 16 x 1600 tokens
 (Qwen3-30B-A3B, 204,800 pairs x 1,536 columns) that is 1.26 GB less traffic per MoE layer.
 
 Its grid has two parts in one launch:
 - LoRA programs, one per (unit, N tile), both slices in one program: B's gate and up tiles
   load once, then in the sorted form the unit's rows go by in chunks of CHUNK: the shrink's
-  partials for gate and up summed, multiplied by B, added to the buffer's tiles, SiLU(gate) x
-  up written, the next chunk's inputs loaded before this one's store. B is read once per unit
+  partials for gate and up summed, multiplied by B, added to the buffer's tiles, act(gate,
+  up) written, the next chunk's inputs loaded before this one's store. B is read once per unit
   and tile, not per chunk: at 16 x 1600 tokens its tiles were 1.3 GB of L2 reads per layer
   when every 16-row program read all of a slot-expert's B (`act` has the
   measurements). In the naive form (decode) a unit is one pair, and its program works on that
-  row alone, whatever the config's `gemv_expand` (`_gemv_silu_and_mul`);
-- plain programs, PLAIN_ROWS pairs each over all of N: they write SiLU(gate) x up for the pairs
+  row alone, whatever the config's `gemv_expand` (`_gemv_activation`);
+- plain programs, PLAIN_ROWS pairs each over all of N: they write act(gate, up) for the pairs
   no LoRA program covers (no adapter, a disabled or inactive slot, no expert) and leave at once
   where every pair has one, as in a batch where every request names an adapter.
 
+Two layouts of vLLM's gate/up call, each with its activation (SWIGLUOAI, a constexpr, picks):
+- two slices side by side (Qwen3: `FusedMoEWithLoRA`), gate columns 0..N, up N..2N, two A and
+  two B: SiLU-and-mul;
+- one slice of 2N columns, gate and up interleaved (GPT-OSS: `FusedMoE3DWithLoRA`; gate column
+  2j, up 2j + 1, as its checkpoint's gate_up_proj and vLLM's `swigluoai_and_mul` read them), one
+  A and one B of 2N rows: swigluoai. The kernel sees it as two virtual slices of N columns: the
+  buffer's tiles load as one contiguous (rows, N tile, 2) tile split into gate and up, B's gate
+  and up rows go by a doubled row stride, and both share the one shrink's partials.
+
 Rounding follows the unfused path: the LoRA sum is rounded to the buffer's dtype (as the expand
-stores it), SiLU's result too, then the product (vLLM's `silu_and_mul`, in float, per element).
+stores it); then vLLM's `silu_and_mul` rounds SiLU's result to that dtype and then the product,
+and its `swigluoai_and_mul` computes in float from the buffer's values and rounds once.
 """
 
 import triton
@@ -48,19 +58,50 @@ def _silu_and_mul(gate, up):
 
 
 @triton.jit
-def _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn):
-    """The buffer's gate (columns offs_n) and up (columns N + offs_n) tiles of the pairs where
-    pmask (0 elsewhere)."""
-    gate_ptrs, mask = output_tile(pairs, pmask, offs_n, N, 0, gate_up_ptr, stride_gm, stride_gn)
-    up_ptrs, _ = output_tile(pairs, pmask, offs_n, N, N, gate_up_ptr, stride_gm, stride_gn)
-    return tl.load(gate_ptrs, mask=mask, other=0.0), tl.load(up_ptrs, mask=mask, other=0.0)
+def _swigluoai_and_mul(gate, up, alpha, limit):
+    """vLLM's swigluoai_and_mul (its CUDA kernel, element by element): gate clamped to at most
+    limit, up to [-limit, limit], gate x sigmoid(alpha x gate) x (up + 1) in float from the
+    buffer's dtype, rounded once. The clamps compare as that kernel's do: NaN stays NaN."""
+    g = gate.to(tl.float32)
+    g = tl.where(g > limit, limit, g)
+    u = up.to(tl.float32)
+    u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    glu = g * (1.0 / (1.0 + tl.exp(-g * alpha)))
+    return ((u + 1.0) * glu).to(gate.dtype)
 
 
 @triton.jit
-def _store_silu_and_mul(out_ptr, pairs, pmask, offs_n, N, gate, up, stride_om, stride_on):
-    """out[pairs, offs_n] = SiLU(gate) x up for the pairs where pmask."""
+def _activation(gate, up, alpha, limit, SWIGLUOAI: tl.constexpr):
+    if SWIGLUOAI:
+        return _swigluoai_and_mul(gate, up, alpha, limit)
+    else:
+        return _silu_and_mul(gate, up)
+
+
+@triton.jit
+def _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn,
+                  SWIGLUOAI: tl.constexpr):  # fmt: skip
+    """The buffer's gate and up tiles at columns offs_n of the pairs where pmask (0 elsewhere):
+    columns offs_n and N + offs_n, or interleaved (SWIGLUOAI) 2 x offs_n and 2 x offs_n + 1, read
+    as one (rows, columns, 2) tile of contiguous pairs of columns and split."""
+    if SWIGLUOAI:
+        cols = 2 * offs_n[None, :, None] + tl.arange(0, 2)[None, None, :]
+        ptrs = gate_up_ptr + pairs.to(tl.int64)[:, None, None] * stride_gm + cols * stride_gn
+        mask = pmask[:, None, None] & (offs_n < N)[None, :, None]
+        return tl.split(tl.load(ptrs, mask=mask, other=0.0))
+    else:
+        gate_ptrs, mask = output_tile(pairs, pmask, offs_n, N, 0, gate_up_ptr, stride_gm,
+                                      stride_gn)  # fmt: skip
+        up_ptrs, _ = output_tile(pairs, pmask, offs_n, N, N, gate_up_ptr, stride_gm, stride_gn)
+        return tl.load(gate_ptrs, mask=mask, other=0.0), tl.load(up_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_activation(out_ptr, pairs, pmask, offs_n, N, gate, up, stride_om, stride_on, alpha,
+                      limit, SWIGLUOAI: tl.constexpr):  # fmt: skip
+    """out[pairs, offs_n] = act(gate, up) for the pairs where pmask."""
     ptrs, mask = output_tile(pairs, pmask, offs_n, N, 0, out_ptr, stride_om, stride_on)
-    tl.store(ptrs, _silu_and_mul(gate, up), mask=mask)
+    tl.store(ptrs, _activation(gate, up, alpha, limit, SWIGLUOAI), mask=mask)
 
 
 @triton.jit
@@ -85,37 +126,52 @@ def _has_lora(pairs, pmask, expert_ids_ptr, tlm_ptr, lora_ids_ptr, enabled_ptr, 
 def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr,
                   stride_gm, stride_gn, unit_ws, slice_cells, BLOCK_M: tl.constexpr,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-                  WS_ROWS: tl.constexpr):  # fmt: skip
+                  WS_ROWS: tl.constexpr, SWIGLUOAI: tl.constexpr):  # fmt: skip
     """What chunk c of a sorted unit's rows needs at columns offs_n: its pair ids and their
     mask, the buffer's gate and up values there, and the shrink's partials for gate and up
-    summed over its K ranges. Chunks past the unit's rows load nothing."""
+    summed over its K ranges (one slice's for both where SWIGLUOAI). Chunks past the unit's
+    rows load nothing."""
     pairs = unit_rows(slot, blk, c * CHUNK, sorted_ptr, num_pairs, em, stride_sl, True,
                        BLOCK_M, CHUNK)  # fmt: skip
     pmask = pairs < num_pairs
-    gate, up = _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn)
+    gate, up = _load_gate_up(gate_up_ptr, pairs, pmask, offs_n, N, stride_gm, stride_gn,
+                             SWIGLUOAI)  # fmt: skip
     offs_m = c * CHUNK + tl.arange(0, CHUNK)
     dgate = sum_partials(unit_ws, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
-    dup = sum_partials(unit_ws + slice_cells, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
+    if SWIGLUOAI:
+        dup = dgate
+    else:
+        dup = sum_partials(unit_ws + slice_cells, offs_m, pmask, SPLIT_K, WS_ROWS, BLOCK_R, CHUNK)
     return pairs, pmask, gate, up, dgate, dup
 
 
 @triton.jit
-def _gemv_silu_and_mul(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr,
-                       stride_gm, stride_gn, stride_om, stride_on, SPLIT_K: tl.constexpr,
-                       BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _gemv_activation(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr,
+                       stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
+                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+                       SWIGLUOAI: tl.constexpr):  # fmt: skip
     """A naive-form LoRA program: one pair, so its row as vectors, not a 16-row tile of which
     one row is real (`gemv_kernels`). The buffer row loads before the PDL wait, as the
     expand's output tile does."""
     nmask = offs_n < N
     row = gate_up_ptr + pair.to(tl.int64) * stride_gm
-    gate = tl.load(row + offs_n * stride_gn, mask=nmask, other=0.0)
-    up = tl.load(row + (N + offs_n) * stride_gn, mask=nmask, other=0.0)
+    if SWIGLUOAI:
+        cols = 2 * offs_n[:, None] + tl.arange(0, 2)[None, :]
+        gate, up = tl.split(tl.load(row + cols * stride_gn, mask=nmask[:, None], other=0.0))
+    else:
+        gate = tl.load(row + offs_n * stride_gn, mask=nmask, other=0.0)
+        up = tl.load(row + (N + offs_n) * stride_gn, mask=nmask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    gate += gemv_delta(b_gate, gemv_partials(pair_ws, SPLIT_K, BLOCK_R)).to(gate.dtype)
-    up += gemv_delta(b_up, gemv_partials(pair_ws + slice_cells, SPLIT_K, BLOCK_R)).to(up.dtype)
+    if SWIGLUOAI:
+        tmp = gemv_partials(pair_ws, SPLIT_K, BLOCK_R)  # one slice's, for gate and up
+        gate += gemv_delta(b_gate, tmp).to(gate.dtype)
+        up += gemv_delta(b_up, tmp).to(up.dtype)
+    else:
+        gate += gemv_delta(b_gate, gemv_partials(pair_ws, SPLIT_K, BLOCK_R)).to(gate.dtype)
+        up += gemv_delta(b_up, gemv_partials(pair_ws + slice_cells, SPLIT_K, BLOCK_R)).to(up.dtype)
     out = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
-    tl.store(out, _silu_and_mul(gate, up), mask=nmask)
+    tl.store(out, _activation(gate, up, alpha, limit, SWIGLUOAI), mask=nmask)
 
 
 @triton.jit(do_not_specialize=[*MOE_BATCH_ARGS, "lora_programs"])
@@ -140,6 +196,8 @@ def moe_lora_expand_silu_and_mul_kernel(
     lora_dim,
     max_loras,
     lora_programs,
+    alpha,
+    limit,
     stride_bl,
     stride_be,
     stride_bn,
@@ -161,10 +219,14 @@ def moe_lora_expand_silu_and_mul_kernel(
     CHUNK: tl.constexpr,
     PLAIN_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SWIGLUOAI: tl.constexpr,
 ):
     """out[p, n] = SiLU(gate_up[p, n] + dg[p, n]) x (gate_up[p, N + n] + du[p, n]), where
     (dg, du) = (sum_ks ws[s, unit, ks, row]) @ B[s][slot, expert].T for pairs with LoRA and 0
-    for the others; gate_up (pairs, 2N) is only read."""
+    for the others; gate_up (pairs, 2N) is only read. With SWIGLUOAI:
+    out[p, n] = swigluoai(gate_up[p, 2n] + d[p, 2n], gate_up[p, 2n + 1] + d[p, 2n + 1]) with
+    d = (sum_ks ws[0, unit, ks, row]) @ B[0][slot, expert].T (B of 2N rows), alpha and limit
+    as vLLM's op takes them."""
     pid = tl.program_id(0)
     if pid >= lora_programs:
         pairs = (pid - lora_programs) * PLAIN_ROWS + tl.arange(0, PLAIN_ROWS)
@@ -176,8 +238,10 @@ def moe_lora_expand_silu_and_mul_kernel(
             return
         for n0 in range(0, N, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            gate, up = _load_gate_up(gate_up_ptr, pairs, plain, offs_n, N, stride_gm, stride_gn)
-            _store_silu_and_mul(out_ptr, pairs, plain, offs_n, N, gate, up, stride_om, stride_on)
+            gate, up = _load_gate_up(gate_up_ptr, pairs, plain, offs_n, N, stride_gm, stride_gn,
+                                     SWIGLUOAI)  # fmt: skip
+            _store_activation(out_ptr, pairs, plain, offs_n, N, gate, up, stride_om, stride_on,
+                              alpha, limit, SWIGLUOAI)  # fmt: skip
         return
     n_tiles = tl.cdiv(N, BLOCK_N)
     tile = pid % n_tiles
@@ -191,17 +255,23 @@ def moe_lora_expand_silu_and_mul_kernel(
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # B was written before the shrink let this grid launch (see moe_lora_expand_kernel), so its
     # tiles load before the wait; they stay in registers for all of the unit's chunks.
-    b_gate = load_b(slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be), offs_n,
-                     N, stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
-    b_up = load_b(slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be), offs_n, N,
-                   stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
+    if SWIGLUOAI:
+        # B's gate rows are 2n, its up rows 2n + 1.
+        b_base = slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be)
+        b_gate = load_b(b_base, offs_n, N, 2 * stride_bn, stride_br, BLOCK_R, RANK)
+        b_up = load_b(b_base + stride_bn, offs_n, N, 2 * stride_bn, stride_br, BLOCK_R, RANK)
+    else:
+        b_gate = load_b(slice_base(b0_ptr, b1_ptr, 0, slot, expert, stride_bl, stride_be),
+                         offs_n, N, stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
+        b_up = load_b(slice_base(b0_ptr, b1_ptr, 1, slot, expert, stride_bl, stride_be), offs_n,
+                       N, stride_bn, stride_br, BLOCK_R, RANK)  # fmt: skip
     slice_cells = num_units.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     if not SORTED:
         tl.static_assert(WS_ROWS == 1)
-        _gemv_silu_and_mul(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
-                           out_ptr, stride_gm, stride_gn, stride_om, stride_on, SPLIT_K, BLOCK_R,
-                           USE_PDL)  # fmt: skip
+        _gemv_activation(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
+                           out_ptr, stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
+                           SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI)  # fmt: skip
         return
     # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
     all_pairs = unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
@@ -212,15 +282,17 @@ def moe_lora_expand_silu_and_mul_kernel(
         tl.extra.cuda.gdc_wait()
     pairs, pmask, gate, up, dgate, dup = _chunk_inputs(
         0, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr, stride_gm,
-        stride_gn, unit_ws, slice_cells, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
+        stride_gn, unit_ws, slice_cells, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS, SWIGLUOAI,
     )  # fmt: skip
     # Each chunk's inputs load before the previous chunk's result is stored.
     for c in range(0, chunks):
         next_inputs = _chunk_inputs(
             c + 1, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N, gate_up_ptr,
             stride_gm, stride_gn, unit_ws, slice_cells, BLOCK_M, CHUNK, BLOCK_R, SPLIT_K, WS_ROWS,
+            SWIGLUOAI,
         )  # fmt: skip
         gate = tl.dot(dgate.to(b_gate.dtype), b_gate).to(gate.dtype) + gate
         up = tl.dot(dup.to(b_up.dtype), b_up).to(up.dtype) + up
-        _store_silu_and_mul(out_ptr, pairs, pmask, offs_n, N, gate, up, stride_om, stride_on)
+        _store_activation(out_ptr, pairs, pmask, offs_n, N, gate, up, stride_om, stride_on,
+                          alpha, limit, SWIGLUOAI)  # fmt: skip
         pairs, pmask, gate, up, dgate, dup = next_inputs

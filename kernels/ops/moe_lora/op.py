@@ -284,11 +284,17 @@ class SplitExpand:
             and torch.cuda.current_stream(self.ws.device) == self.pdl_stream
         )
 
+    def slices(self) -> int:
+        return int(self.ws.shape[0])
+
     def is_gate_up(self) -> bool:
-        """A gate/up call as vLLM's fused experts make it: two slices side by side from column
-        0 of an output exactly as wide, added to, not scaled by the routing weights."""
-        two = self.ws.shape[0] == 2 and self.out2d.shape[1] == 2 * self.n
-        return two and self.offset == 0 and self.add_inputs and not self.mul_routed_weight
+        """A gate/up call as vLLM's fused experts make it, into an output exactly as wide from
+        column 0, added to, not scaled by the routing weights: two slices side by side
+        (`FusedMoEWithLoRA`), or one slice of an even width (`FusedMoE3DWithLoRA`, whose w13 B
+        holds gate and up in one tensor, GPT-OSS's interleaved)."""
+        two = self.slices() == 2 and self.out2d.shape[1] == 2 * self.n
+        one = self.slices() == 1 and self.out2d.shape[1] == self.n and self.n % 2 == 0
+        return (two or one) and self.offset == 0 and self.add_inputs and not self.mul_routed_weight
 
     def launch(self) -> None:
         slices = self.ws.shape[0]

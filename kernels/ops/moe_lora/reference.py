@@ -162,3 +162,34 @@ def expand_silu_and_mul_reference(gate_up: torch.Tensor, **op_args: object) -> t
     updated = gate_up.double().clone()
     fused_moe_lora_reference(updated, **op_args)  # type: ignore[arg-type]
     return silu_and_mul_reference(updated.view(-1, updated.shape[-1]))
+
+
+def swigluoai_and_mul_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """vLLM's `swigluoai_and_mul` on (rows, 2N), in float64: gate and up interleaved (gate the
+    even columns, up the odd), gate clamped to at most `limit`, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1).
+
+    vLLM's own torch form is `SwigluOAIAndMul.forward_native` (model_executor/layers/
+    activation.py, the same in 0.26 and 0.32); it is restated here because `kernels/ops`
+    imports only torch and triton, and tests/kernels/ops/moe_lora/test_moe_lora_act.py holds
+    this one to vLLM's.
+    """
+    gate, up = gate_up[:, ::2].double(), gate_up[:, 1::2].double()
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def expand_swigluoai_and_mul_reference(
+    gate_up: torch.Tensor, alpha: float, limit: float, **op_args: object
+) -> torch.Tensor:
+    """The spec of `act.expand_swigluoai_and_mul`: swigluoai of the gate/up buffer after the op
+    (`fused_moe_lora_reference`) added its LoRA, without changing `gate_up`.
+
+    gate_up: (T, k, 2N), the op's `output`; op_args: the op's other arguments (one slice of
+    2N columns, gate and up interleaved; offset 0, add_inputs, no routing weight). Returns
+    (T * k, N) float64.
+    """
+    updated = gate_up.double().clone()
+    fused_moe_lora_reference(updated, **op_args)  # type: ignore[arg-type]
+    return swigluoai_and_mul_reference(updated.view(-1, updated.shape[-1]), alpha, limit)

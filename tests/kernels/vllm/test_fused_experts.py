@@ -2,10 +2,12 @@
 0.32, whose experts differ). The stand-in's methods do what TritonExperts' originals do with the
 same tensors: `apply` runs the flow, `apply_w13_lora` and `apply_w2_lora` call our op on the
 gate/up and the down buffers, as PunicaWrapperGPU does; `activation` is SiLU-and-mul (or
-GELU-and-mul); `moe_sum` sums each token's experts. `_apply` calls them in `TritonExperts.apply`'s
-order. The kernels are the real ones, interpreted; on the CPU the "side stream" is the current
-one, in order; the gpu-marked tests here run it on a real second stream, eagerly and inside a
-captured CUDA graph, and a decode batch in order on the main stream, eagerly and captured."""
+GELU-and-mul) on two slices side by side, or swigluoai on gate and up interleaved (GPT-OSS's
+one slice, `GPT_OSS`); `moe_sum` sums each token's experts. `_apply` calls them in
+`TritonExperts.apply`'s order. The kernels are the real ones, interpreted; on the CPU the "side
+stream" is the current one, in order; the gpu-marked tests here run it on a real second stream,
+eagerly and inside a captured CUDA graph, and a decode batch in order on the main stream,
+eagerly and captured."""
 
 from __future__ import annotations
 
@@ -20,25 +22,41 @@ import torch
 from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
 
 from loraplex.kernels.dispatch import REGIMES
+from loraplex.kernels.ops.moe_lora.act import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
 from loraplex.kernels.ops.moe_lora.op import fused_moe_lora
-from loraplex.kernels.ops.moe_lora.reference import fused_moe_lora_reference
+from loraplex.kernels.ops.moe_lora.reference import (
+    fused_moe_lora_reference,
+    swigluoai_and_mul_reference,
+)
 from loraplex.kernels.vllm import side_stream
 from loraplex.kernels.vllm.batch_metadata import fill_kernel_meta
 from loraplex.kernels.vllm.fused_experts import GATE_UP_SIDE, PENDING, install
-from tests.support.moe_lora_cases import Case, make_inputs
+from tests.support.moe_lora_cases import Case, gate_up_call
 
 # The side stream's size rule, taking every call as a prefill.
 BESIDE_AT_ANY_SIZE = dataclasses.replace(REGIMES, prefill_min_pairs=1)
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2)
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32)
 CASE = Case(6, 2, 8, 16, 3, "uniform", no_adapter=0.3)
+# vLLM's 3D layout (FusedMoE3DWithLoRA): one slice of 2 x 48 columns, gate and up interleaved.
+GPT_OSS = dataclasses.replace(CASE, slices=1, n=96)
 HIDDEN = 40  # the down projection's output width
 
 
 class Act(enum.Enum):
     SILU = "silu"
     GELU = "gelu"
+    SWIGLUOAI = "swigluoai"
+
+
+def _act(kind: Act, gate_up: torch.Tensor) -> torch.Tensor:
+    """vLLM's activation of that kind on (rows, 2I), in gate_up's dtype."""
+    if kind is Act.SWIGLUOAI:
+        return swigluoai_and_mul_reference(gate_up, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).to(gate_up)
+    gate, up = gate_up.chunk(2, dim=1)
+    act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
+    return act(gate) * up
 
 
 class QuantConfig:
@@ -101,9 +119,7 @@ class StockExperts:
         self.activations.append(kind)
         if output.is_cuda:
             torch.cuda._sleep(50_000_000)  # ~25 ms: a down LoRA that did not wait would see junk
-        gate, up = input.chunk(2, dim=1)
-        act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
-        output.copy_(act(gate) * up)
+        output.copy_(_act(kind, input))
 
     def apply_w2_lora(
         self, lora_context: Any, *, y: torch.Tensor, x: torch.Tensor,
@@ -138,7 +154,7 @@ class StockExperts:
 def classes() -> tuple[type[StockExperts], type[StockExperts]]:
     """(the patched class, a subclass of it), patched as `patch_triton_experts` does."""
     experts = type("Experts", (StockExperts,), {})
-    install(experts, Act.SILU)
+    install(experts, Act.SILU, Act.SWIGLUOAI)
     return experts, type("Subclass", (experts,), {})
 
 
@@ -172,10 +188,12 @@ def _apply(
     case's mapping (`batch_metadata.fill_kernel_meta`), and the mapping the routing hands on is
     its view, as vLLM's align returns it. `poison` is written over slot 0's weights, both
     calls, A and B (e.g. NaN); the spec then leaves slot 0's tokens out of the errors."""
-    args = make_inputs(case, dtype, device, seed=seed)
-    buffer = args.pop("output")[..., : 2 * case.n].contiguous()
+    args = gate_up_call(case, dtype, device, seed=seed)
+    buffer = args.pop("output").contiguous()
+    width = buffer.shape[-1]
+    inter = width // 2  # the activation's output width
     gen = torch.Generator().manual_seed(seed + 1)
-    a2 = torch.randn(case.adapters, case.experts, case.rank, case.n, generator=gen) / case.n**0.5
+    a2 = torch.randn(case.adapters, case.experts, case.rank, inter, generator=gen) / inter**0.5
     b2 = torch.randn(case.adapters, case.experts, HIDDEN, case.rank, generator=gen) / case.rank**0.5
     down_base = torch.randn(case.tokens, case.top_k, HIDDEN, generator=gen)
     a2, b2, down_base = (t.to(device, dtype) for t in (a2, b2, down_base))
@@ -195,20 +213,18 @@ def _apply(
     updated = buffer.double().cpu()
     if add_inputs:
         fused_moe_lora_reference(updated, **cpu, block_size=16)
-    gate, up = updated.view(-1, 2 * case.n).chunk(2, dim=1)
-    act = torch.nn.functional.silu if kind is Act.SILU else torch.nn.functional.gelu
-    want_act = act(gate) * up
+    want_act = _act(kind, updated.view(-1, width))
 
     experts = cls(args, (a2, b2))
     experts.quant_config.gemm1_clamp_limit = clamp
     configure(experts)
     punica = SimpleNamespace(token_mapping_meta=meta)
     lora_context = LoraContext(args["adapter_enabled"], case.adapters, punica, **context)
-    w2 = torch.empty(case.experts, HIDDEN, case.n, device=device)  # only its shape is read
+    w2 = torch.empty(case.experts, HIDDEN, inter, device=device)  # only its shape is read
     shared = {"topk_weights": args["topk_weights"], "num_tokens": case.tokens, "w1": None,
               "w2": w2, "top_k_num": case.top_k}  # fmt: skip
     gemm_output = buffer.clone()
-    act_out = torch.empty(buffer.shape[0] * buffer.shape[1], case.n, device=device, dtype=dtype)
+    act_out = torch.empty(buffer.shape[0] * buffer.shape[1], inter, device=device, dtype=dtype)
     down = down_base.clone()
     out = torch.full((case.tokens, HIDDEN), 777.0, device=device, dtype=dtype)
 
@@ -223,7 +239,7 @@ def _apply(
             expert_map=None, add_inputs=add_inputs, **shared,
         )  # fmt: skip
         assert routing[3] is args["token_lora_mapping"]
-        experts.activation(kind, act_out, buffer.view(-1, 2 * case.n))
+        experts.activation(kind, act_out, buffer.view(-1, width))
         assert PENDING not in experts.__dict__
         assert GATE_UP_SIDE not in experts.__dict__
         names = ("sorted_token_ids_lora", "expert_ids_lora", "num_tokens_post_padded_lora",
@@ -283,6 +299,32 @@ def test_silu_runs_the_fused_kernel_instead_of_the_original(classes: Any) -> Non
     assert applied.act_error < 1e-5
     assert applied.sum_error < 1e-5
     assert _down_ran_in_order(applied), "a batch this small keeps vLLM's order"
+
+
+@pytest.mark.parametrize("clamp", [None, 7.0], ids=["no_clamp", "clamp_in_config"])
+def test_gpt_oss_swigluoai_runs_the_fused_kernel_instead_of_the_original(
+    classes: Any, clamp: float | None
+) -> None:
+    """GPT-OSS's call: one slice, gate and up interleaved, swigluoai. vLLM calls its
+    swigluoai_and_mul at the op's own alpha and limit whatever the quant config holds, so a
+    clamp limit there does not keep it from the fused kernel."""
+    applied = _apply(classes[0], Act.SWIGLUOAI, case=GPT_OSS, clamp=clamp)
+    assert applied.experts.activations == []
+    assert applied.act_error < 1e-5
+    assert applied.sum_error < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("kind", "case"), [(Act.SILU, GPT_OSS), (Act.SWIGLUOAI, CASE), (Act.GELU, GPT_OSS)],
+    ids=["silu_one_slice", "swigluoai_two_slices", "gelu_one_slice"],
+)  # fmt: skip
+def test_an_activation_on_another_layout_gets_the_expand_first(
+    classes: Any, kind: Act, case: Case
+) -> None:
+    """SiLU is fused on two slices side by side only, swigluoai on one slice interleaved only."""
+    applied = _apply(classes[0], kind, case=case)
+    assert applied.experts.activations == [kind]
+    assert applied.act_error < 1e-5
 
 
 def test_another_activation_gets_the_expand_first(classes: Any) -> None:
@@ -398,10 +440,16 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
     assert applied.sum_error < 2e-2
 
 
+# (activation, call) pairs for the GPU flows: the two fused ones (Qwen3's SiLU on two slices,
+# GPT-OSS's swigluoai on one interleaved) and one that gets the expand first.
+GPU_FLOWS = [(Act.SILU, CASE), (Act.GELU, CASE), (Act.SWIGLUOAI, GPT_OSS)]
+GPU_FLOW_IDS = ["silu", "gelu", "gpt_oss_swigluoai"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
+@pytest.mark.parametrize(("kind", "case"), GPU_FLOWS, ids=GPU_FLOW_IDS)
 def test_in_a_cuda_graph_prefill_sized_loras_run_on_a_second_stream(
-    classes: Any, monkeypatch: pytest.MonkeyPatch, kind: Act
+    classes: Any, monkeypatch: pytest.MonkeyPatch, kind: Act, case: Case
 ) -> None:
     """Captured as vLLM captures a batch (a graph of prefill size, where capture sizes reach
     it: this test's few pairs count as one), the gate/up LoRA and the down LoRA go on one
@@ -416,37 +464,37 @@ def test_in_a_cuda_graph_prefill_sized_loras_run_on_a_second_stream(
         experts.w13_sleep_cycles = 50_000_000  # ~25 ms: an activation that did not wait: junk
 
     monkeypatch.setattr(side_stream, "REGIMES", BESIDE_AT_ANY_SIZE)
-    _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)
+    _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3, case=case)
     applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True,
-                     configure=sleep_before_gate_up)  # fmt: skip
+                     configure=sleep_before_gate_up, case=case)  # fmt: skip
     torch.cuda.synchronize()
     assert not _down_ran_in_order(applied)
     experts = applied.experts
     assert experts.w13_streams == experts.down_streams
     assert experts.down_streams[0] != experts.main_stream
-    assert experts.activations == ([] if kind is Act.SILU else [Act.GELU])  # SiLU: fused
+    assert experts.activations == ([Act.GELU] if kind is Act.GELU else [])  # others: fused
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
+@pytest.mark.parametrize(("kind", "case"), GPU_FLOWS, ids=GPU_FLOW_IDS)
 def test_a_decode_batch_keeps_both_loras_in_order_eagerly_and_in_a_cuda_graph(
-    classes: Any, kind: Act
+    classes: Any, kind: Act, case: Case
 ) -> None:
     """A decode batch, run eagerly and captured as vLLM captures it: both LoRAs stay on the
     main stream in vLLM's order (the down LoRA added into the GEMM's buffer, vLLM's moe_sum),
-    the gate/up expand still fused into SiLU-and-mul (before GELU-and-mul: launched first), the
-    numbers the spec's."""
-    eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3)  # compiles
+    the gate/up expand still fused into SiLU-and-mul or swigluoai (before GELU-and-mul:
+    launched first), the numbers the spec's."""
+    eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3, case=case)
     assert _down_ran_in_order(eager)
     assert eager.experts.w13_streams == [torch.cuda.current_stream()]
-    applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True)
+    applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True, case=case)
     torch.cuda.synchronize()
     assert _down_ran_in_order(applied)
     experts = applied.experts
     assert experts.w13_streams == experts.down_streams == [experts.main_stream]
-    assert experts.activations == ([] if kind is Act.SILU else [Act.GELU])  # SiLU: fused
+    assert experts.activations == ([Act.GELU] if kind is Act.GELU else [])  # others: fused
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
 

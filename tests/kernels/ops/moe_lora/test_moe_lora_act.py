@@ -1,4 +1,6 @@
-"""The gate/up expand fused into SiLU-and-mul against the spec (CPU interpreter, fp32 and fp16).
+"""The gate/up expand fused into the activation against the spec (CPU interpreter, fp32 and
+fp16): SiLU-and-mul for two slices side by side (Qwen3's call), swigluoai for one slice with gate
+and up interleaved (GPT-OSS's, the cases named `interleaved`).
 
 Each case defers the op's expand (`defer_gate_up_expand`), then runs it fused; the LoRA programs
 and the plain programs (pairs without LoRA) both have to write their rows. bf16 runs in
@@ -13,10 +15,16 @@ import pytest
 import torch
 
 from loraplex.kernels.ops.moe_lora import act
-from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul
+from loraplex.kernels.ops.moe_lora.act import (
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+    expand_silu_and_mul,
+    expand_swigluoai_and_mul,
+)
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
 from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
-from tests.support.moe_lora_cases import Case, check_expand_silu_and_mul, make_inputs
+from loraplex.kernels.ops.moe_lora.reference import swigluoai_and_mul_reference
+from tests.support.moe_lora_cases import Case, check_expand_activation, make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
@@ -32,7 +40,8 @@ def _sorted(case: Case, block_m: int) -> Case:
     return dataclasses.replace(case, sorted_form=True, block_m=block_m)
 
 
-# N = 63 and 100 leave a partial tile; pairs past 64 need two plain programs.
+# N = 63 and 100 leave a partial tile; pairs past 64 need two plain programs. The interleaved
+# cases are one slice of 2I columns: I = 63 and 48 (two 32-column tiles).
 CASES = {
     "naive_t7_k4_e8_r8_a3_none": Case(7, 4, 8, 8, 3, "uniform", no_adapter=0.4, n=63),
     "naive_t5_k2_e8_r16_a2_all_none": Case(5, 2, 8, 16, 2, no_adapter=1.0),
@@ -43,6 +52,12 @@ CASES = {
     "sorted_t40_k4_e8_r32_a2_disabled_bm16": _sorted(
         Case(40, 4, 8, 32, 2, "skewed", disabled_slot=True, expert_skew=True), 16
     ),
+    "naive_t7_k4_e8_r8_a3_none_interleaved": Case(
+        7, 4, 8, 8, 3, "uniform", no_adapter=0.4, n=126, slices=1
+    ),
+    "sorted_t40_k4_e8_r32_a2_disabled_bm16_interleaved": _sorted(
+        Case(40, 4, 8, 32, 2, "skewed", disabled_slot=True, expert_skew=True, n=96, slices=1), 16
+    ),
 }
 
 
@@ -50,7 +65,7 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name: str, dtype: torch.dtype, config: MoeLoraConfig) -> None:
-    err = check_expand_silu_and_mul(CASES[name], config, dtype, DEVICE, seed=len(name))
+    err = check_expand_activation(CASES[name], config, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
@@ -58,7 +73,7 @@ def test_matches_reference(name: str, dtype: torch.dtype, config: MoeLoraConfig)
 @pytest.mark.parametrize("name", [n for n in sorted(CASES) if not CASES[n].sorted_form])
 def test_gemv_shrink_feeds_the_fused_activation(name: str, dtype: torch.dtype) -> None:
     """The GEMV shrink writes the workspace cells the fused SiLU-and-mul reads."""
-    err = check_expand_silu_and_mul(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
+    err = check_expand_activation(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
@@ -73,15 +88,17 @@ def test_sorted_programs_chunk_their_rows_over_n_tiles(
     in two, of which the second may be all padding, and 32-row chunks are capped at the block."""
     monkeypatch.setattr(act, "SORTED_BLOCK_N", 32)
     monkeypatch.setattr(act, "SORTED_CHUNK", chunk)
-    err = check_expand_silu_and_mul(CASES[name], SPLIT_PARTS, dtype, DEVICE, seed=len(name))
+    err = check_expand_activation(CASES[name], SPLIT_PARTS, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
 def test_calls_that_are_not_split_gate_up_run_whole() -> None:
-    """Inside the deferral, a down-projection call and a fused-variant call still update their
-    output at once and leave nothing behind."""
+    """Inside the deferral, a down-projection call, a fused-variant call and a one-slice call
+    into an output wider than it (make_inputs adds columns) still update their output at once
+    and leave nothing behind."""
     down = Case(6, 2, 8, 16, 2, slices=1, mul_routed_weight=True)
-    for case, config in [(down, SPLIT), (Case(6, 2, 8, 16, 2), FUSED)]:
+    narrow = Case(6, 2, 8, 16, 2, n=64, slices=1)
+    for case, config in [(down, SPLIT), (Case(6, 2, 8, 16, 2), FUSED), (narrow, SPLIT)]:
         args = make_inputs(case, torch.float32, DEVICE, seed=5)
         before = args["output"].clone()
         with defer_gate_up_expand() as deferred:
@@ -93,6 +110,36 @@ def test_calls_that_are_not_split_gate_up_run_whole() -> None:
         assert not torch.equal(args["output"], before)
 
 
+def test_swigluoai_spec_is_vllms_own() -> None:
+    """The spec's swigluoai is vLLM's torch form (SwigluOAIAndMul.forward_native) at the alpha
+    and limit vLLM's op defaults to, on values past the limit on both sides."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SwigluOAIAndMul
+
+    with set_current_vllm_config(VllmConfig()):
+        vllm_op = SwigluOAIAndMul()
+    assert (vllm_op.alpha, vllm_op.limit) == (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT)
+    x = torch.randn(6, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 5
+    assert (x > SWIGLUOAI_LIMIT).any() and (x < -SWIGLUOAI_LIMIT).any()
+    want = vllm_op.forward_native(x)
+    assert torch.equal(swigluoai_and_mul_reference(x, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT), want)
+
+
+def test_each_activation_takes_only_its_layout() -> None:
+    """SiLU-and-mul reads two slices side by side, swigluoai one slice interleaved: neither
+    launches on the other's call."""
+    calls = {2: Case(4, 2, 8, 16, 2), 1: Case(4, 2, 8, 16, 2, n=64, slices=1)}
+    for slices, case in calls.items():
+        args = make_inputs(case, torch.float32, DEVICE, seed=2)
+        args["output"] = args["output"][..., : slices * case.n]
+        with defer_gate_up_expand() as deferred:
+            fused_moe_lora(**args, shrink_block_size_m=16, config=SPLIT)
+        out = torch.empty(case.tokens * case.top_k, slices * case.n // 2)
+        wrong = expand_swigluoai_and_mul if slices == 2 else expand_silu_and_mul
+        with pytest.raises(ValueError, match=f"got {slices} slice"):
+            wrong(deferred[0], out)
+
+
 def test_rejects_an_output_of_the_wrong_shape() -> None:
     case = Case(4, 2, 8, 16, 2)
     args = make_inputs(case, torch.float32, DEVICE, seed=2)
@@ -100,5 +147,5 @@ def test_rejects_an_output_of_the_wrong_shape() -> None:
     with defer_gate_up_expand() as deferred:
         fused_moe_lora(**args, shrink_block_size_m=16, config=SPLIT)
     out = torch.empty(case.tokens * case.top_k, case.n + 1)
-    with pytest.raises(ValueError, match=r"must be \(pairs, N\) = \(8, 48\)"):
+    with pytest.raises(ValueError, match=r"must be \(pairs, I\) = \(8, 48\)"):
         expand_silu_and_mul(deferred[0], out)

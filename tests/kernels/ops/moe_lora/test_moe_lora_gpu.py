@@ -14,7 +14,6 @@ import torch
 
 from loraplex.kernels.ops.moe_lora import gemv_kernels as gemv
 from loraplex.kernels.ops.moe_lora import kernels as kt
-from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul
 from loraplex.kernels.ops.moe_lora.act_kernels import moe_lora_expand_silu_and_mul_kernel
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
 from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
@@ -23,7 +22,8 @@ from loraplex.kernels.ops.moe_lora_align.reference import sorted_form_size
 from tests.support.moe_lora_cases import (
     Case,
     check_against_reference,
-    check_expand_silu_and_mul,
+    check_expand_activation,
+    fused_activation,
     make_inputs,
     slowly_written,
 )
@@ -194,13 +194,20 @@ def test_expand_reads_the_output_only_after_the_kernel_before(
     assert torch.equal(racing["output"], settled["output"])
 
 
-# Gate/up calls for the expand fused into SiLU-and-mul: decode (naive, under PDL) and sorted
-# blocks with pairs that have no adapter (the plain programs' rows).
+# Gate/up calls for the expand fused into the activation: decode (naive, under PDL) and sorted
+# blocks with pairs that have no adapter (the plain programs' rows). `gptoss_3d` are GPT-OSS's
+# calls in vLLM's 3D layout: one slice of 2 x 2880 columns, gate and up interleaved, swigluoai.
 ACT_CASES = {
     "qwen_t16_zipf_none": CASES["qwen_w13_t16_zipf_none"],
     "qwen_t64_bm32": SORTED["qwen_w13_t64_bm32"],
     "qwen_t256_bm16": SORTED["qwen_w13_t256_bm16"],  # the plugin's block: CHUNK == BLOCK_M
     "gptoss_t200_bm64_skew": SORTED["gptoss_w13_t200_bm64_skew"],
+    "gptoss_3d_t16_zipf_none": Case(
+        16, 4, 32, 32, 8, "zipf", no_adapter=0.25, k=2880, n=5760, slices=1
+    ),
+    "gptoss_3d_t200_bm64_skew": dataclasses.replace(
+        SORTED["gptoss_w13_t200_bm64_skew"], n=5760, slices=1
+    ),
     "t2048_k2_e16_r64_bm128_none": dataclasses.replace(
         Case(2048, 2, 16, 64, 4, "skewed", no_adapter=0.1, k=512, n=200),
         sorted_form=True,
@@ -215,50 +222,59 @@ ACT_CASES = {
     [(name, config) for name in sorted(ACT_CASES) for config in (SPLIT, SPLIT_SLICES)]
     + [(name, GEMV) for name in sorted(ACT_CASES) if not ACT_CASES[name].sorted_form],
 )
-def test_expand_silu_and_mul_matches_reference(
+def test_expand_activation_matches_reference(
     name: str, config: MoeLoraConfig, dtype: torch.dtype
 ) -> None:
-    err = check_expand_silu_and_mul(ACT_CASES[name], config, dtype, "cuda", seed=len(name))
+    err = check_expand_activation(ACT_CASES[name], config, dtype, "cuda", seed=len(name))
     assert err < TOL, err
 
 
+# The two gate/up layouts at Qwen3's width: two slices side by side (SiLU-and-mul), one slice
+# interleaved (swigluoai).
+LAYOUTS = {"two_slices": {"n": 768}, "interleaved": {"n": 1536, "slices": 1}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
     ("sorted_form", "config"),
     [(False, SPLIT), (False, GEMV_BOTH), (True, SPLIT)],
     ids=["naive_dot_shrink", "naive_gemv_shrink", "sorted"],
 )
-def test_expand_silu_and_mul_reads_the_buffer_only_after_the_kernel_before(
-    sorted_form: bool, config: MoeLoraConfig
+def test_expand_activation_reads_the_buffer_only_after_the_kernel_before(
+    sorted_form: bool, config: MoeLoraConfig, layout: str
 ) -> None:
     """At decode sizes (under PDL) the fused kernel's naive-form programs load the buffer row
     before their wait, as the expand loads its output tile; sorted programs load after it."""
-    case = dataclasses.replace(Case(16, 8, 128, 32, 8, "uniform", k=2048, n=768),
+    case = dataclasses.replace(Case(16, 8, 128, 32, 8, "uniform", k=2048, **LAYOUTS[layout]),
                                sorted_form=sorted_form, block_m=16)  # fmt: skip
+    width = case.slices * case.n
     outs = []
     for racy in (True, False):
         args = make_inputs(case, torch.bfloat16, "cuda", seed=12)
-        buffer = args["output"][..., : 2 * case.n].contiguous()
+        buffer = args["output"][..., :width].contiguous()
         rewrite = None
         if racy:
             buffer, rewrite = slowly_written(buffer)
         args["output"] = buffer
-        out = torch.empty(case.tokens * case.top_k, case.n, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(case.tokens * case.top_k, width // 2, dtype=torch.bfloat16,
+                          device="cuda")  # fmt: skip
         torch.cuda.synchronize()
         if rewrite is not None:
             rewrite()
         with defer_gate_up_expand() as deferred:
             fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=config)
-        expand_silu_and_mul(deferred[0], out)
+        fused_activation(deferred[0], out)
         torch.cuda.synchronize()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
 
-def test_expand_silu_and_mul_compiles_once_across_batches() -> None:
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expand_activation_compiles_once_across_batches(layout: str) -> None:
     counts = []
     for tokens in (3, 5, 9):
-        case = Case(tokens, 8, 128, 32, 8, "uniform", k=2048, n=768)
-        assert check_expand_silu_and_mul(case, SPLIT, torch.bfloat16, "cuda", seed=tokens) < TOL
+        case = Case(tokens, 8, 128, 32, 8, "uniform", k=2048, **LAYOUTS[layout])
+        assert check_expand_activation(case, SPLIT, torch.bfloat16, "cuda", seed=tokens) < TOL
         caches = moe_lora_expand_silu_and_mul_kernel.device_caches.values()
         counts.append(sum(len(c[0]) for c in caches))
     assert counts[0] == counts[1] == counts[2], counts
