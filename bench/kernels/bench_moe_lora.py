@@ -53,7 +53,7 @@ from bench.kernels.moe_lora_workload import (
 )
 from bench.kernels.tune_moe_lora import candidates, fuses_activation, shape_key, tune_point
 from loraplex.kernels.dispatch import REGIMES
-from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul
+from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul, expand_swigluoai_and_mul
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, gpu_slug, lookup, write_configs
 from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.ops.moe_lora_align.op import moe_lora_align_block_size
@@ -125,25 +125,38 @@ def vllm_call(args: dict, shrink: dict, expand: dict) -> None:
     )  # fmt: skip
 
 
+# The shape's activation after gate/up: vLLM's op, and ours with the LoRA's expand fused in.
+ACTIVATIONS = {
+    "silu": (lambda out, gate_up: torch.ops._C.silu_and_mul(out, gate_up), expand_silu_and_mul),
+    "swigluoai": (lambda out, gate_up: torch.ops._C.swigluoai_and_mul(out, gate_up),
+                  expand_swigluoai_and_mul),
+}  # fmt: skip
+
+
 def with_activation(
-    lora: functools.partial, gate_up: torch.Tensor, out: torch.Tensor, fuse: bool = False
-) -> None:
-    """A gate/up call into `gate_up` (pairs, 2N), then vLLM's SiLU-and-mul of it into `out`, as
+    lora: functools.partial, gate_up: torch.Tensor, out: torch.Tensor, activation: str,
+    fuse: bool = False,
+) -> None:  # fmt: skip
+    """A gate/up call into `gate_up` (pairs, 2N), then vLLM's `activation` of it into `out`
+    (silu_and_mul or swigluoai_and_mul, at its defaults as vLLM's fused experts call it), as
     vLLM's fused experts run them; with `fuse`, our op's expand added inside the activation
     (`fused_experts`) where the op defers it."""
+    vllm_act, fused_act = ACTIVATIONS[activation]
     if fuse:
         with defer_gate_up_expand() as deferred:
             lora()
         if deferred:
-            expand_silu_and_mul(deferred[0], out)
+            fused_act(deferred[0], out)
             return
     else:
         lora()
-    torch.ops._C.silu_and_mul(out, gate_up)
+    vllm_act(out, gate_up)
 
 
-def bench_activation(their_args: list[dict], args: list[dict], theirs: list, ours: list) -> dict:
-    """The gate/up LoRA with the SiLU-and-mul after it: vLLM's op (on their_args, its routing
+def bench_activation(
+    their_args: list[dict], args: list[dict], theirs: list, ours: list, activation: str
+) -> dict:
+    """The gate/up LoRA with the activation after it: vLLM's op (on their_args, its routing
     form), ours and ours fused into it (on args)."""
     tokens, top_k, width = args[0]["output"].shape
     pairs = tokens * top_k
@@ -151,7 +164,8 @@ def bench_activation(their_args: list[dict], args: list[dict], theirs: list, our
             for _ in args]  # fmt: skip
 
     def calls(loras: list, sets: list[dict], fuse: bool) -> list:
-        return [functools.partial(with_activation, lora, s["output"].view(pairs, width), out, fuse)
+        return [functools.partial(with_activation, lora, s["output"].view(pairs, width), out,
+                                  activation, fuse)
                 for lora, s, out in zip(loras, sets, outs, strict=True)]  # fmt: skip
 
     runs = {"vllm": calls(theirs, their_args, False), "ours": calls(ours, args, False),
@@ -165,9 +179,9 @@ def bench_activation(their_args: list[dict], args: list[dict], theirs: list, our
     args[0]["output"].copy_(before)
     err = float((results[1] - results[0]).norm() / results[0].norm().clamp_min(1e-30))
     vllm_us, ours_us, fused_us = time_interleaved([runs["vllm"], runs["ours"], runs["fused"]])
-    return {"act_vllm_us": vllm_us, "act_ours_us": ours_us, "act_fused_us": fused_us,
-            "act_fused_vs_ours": ours_us / fused_us, "act_fused_vs_vllm": vllm_us / fused_us,
-            "act_fused_rel_err_vs_ours": err}  # fmt: skip
+    return {"activation": activation, "act_vllm_us": vllm_us, "act_ours_us": ours_us,
+            "act_fused_us": fused_us, "act_fused_vs_ours": ours_us / fused_us,
+            "act_fused_vs_vllm": vllm_us / fused_us, "act_fused_rel_err_vs_ours": err}  # fmt: skip
 
 
 def eager_per_call(calls: list, trials: int = 5) -> float:
@@ -269,7 +283,7 @@ def bench_point(
         ns.tuned.setdefault(key.text(), {})[num_pairs] = served
     floor_us = statistics.mean(b for _, b in sets) / bw * 1e6
     fused = fuses_activation(shape, op)
-    activation = bench_activation(their_args, args, theirs, ours) if fused else {}
+    activation = bench_activation(their_args, args, theirs, ours, shape.activation) if fused else {}
     return activation | {
         "shape": shape.name, "layout": shape.layout, "op": op, "tokens": tokens,
         "form": "sorted" if sorted_form else "naive",
@@ -334,7 +348,7 @@ def main() -> None:
                          if row["ours_vllm_form_us"] else ""),
                       flush=True)  # fmt: skip
                 if "act_fused_us" in row:
-                    print(f"{'':14s} +silu_and_mul  vllm {row['act_vllm_us']:9.1f} ours "
+                    print(f"{'':14s} +{row['activation']:13s} vllm {row['act_vllm_us']:9.1f} ours "
                           f"{row['act_ours_us']:9.1f} fused {row['act_fused_us']:9.1f} "
                           f"x{row['act_fused_vs_ours']:5.2f} vs ours "
                           f"err {row['act_fused_rel_err_vs_ours']:.1e}", flush=True)  # fmt: skip

@@ -55,8 +55,8 @@ class MoeShape:
     inter: int
     experts: int
     top_k: int
-    # After gate/up: "silu" is SiLU-and-mul (the plugin fuses the LoRA into it), "swigluoai"
-    # GPT-OSS's clamped SwiGLU (left to vLLM).
+    # After gate/up: "silu" is SiLU-and-mul, "swigluoai" GPT-OSS's clamped SwiGLU on gate and
+    # up interleaved; the plugin fuses the LoRA's expand into either (`fuses_activation`).
     activation: str
     # Whether vLLM 0.26 serves the experts' LoRA with FusedMoE3DWithLoRA (the experts are one
     # packed module): gate/up is then one slice of 2 x inter columns, not two of inter.

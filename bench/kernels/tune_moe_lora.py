@@ -61,7 +61,7 @@ def candidates(
     after the tl.dot shrink; in the sorted form at decode sizes also expands of half and
     quarter blocks over 4, 8 and 16 N tiles.
 
-    `fused_activation`: a gate/up call whose SiLU-and-mul the plugin fuses with the expand of a
+    `fused_activation`: a gate/up call whose activation the plugin fuses with the expand of a
     split config (`fused_experts`). At prefill sizes that fusion saves the activation's own pass,
     far more than any variant gains on the op alone, so fused variants are left out there. H200,
     Qwen3-30B-A3B gate/up with SiLU-and-mul at 8,192, 12,288 and 16,384 tokens: 236.0, 286.8
@@ -178,8 +178,10 @@ def _all_candidates(k: int, num_pairs: int, slices: int, naive: bool) -> list[Mo
 
 def fuses_activation(shape: MoeShape, op: str) -> bool:
     """Whether the plugin fuses this call's expand into the activation after it (split
-    configs of the gate/up call, before SiLU-and-mul)."""
-    return op == "w13" and shape.activation == "silu"
+    configs of the gate/up call, `fused_experts`): SiLU-and-mul after two slices (the 2D
+    layout), swigluoai after one interleaved slice (the 3D layout)."""
+    fused = {("silu", False), ("swigluoai", True)}
+    return op == "w13" and (shape.activation, shape.lora_3d) in fused
 
 
 def _workspace_fits(num_pairs: int, split: int) -> bool:

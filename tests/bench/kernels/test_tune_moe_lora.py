@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -43,8 +44,8 @@ def test_gemv_expand_is_a_candidate_of_the_naive_form_only() -> None:
     assert not any(c.gemv_expand for c in candidates(2048, 32, 2))
 
 
-def test_prefill_gate_up_before_a_fused_silu_tunes_only_configs_that_fuse_it() -> None:
-    # The plugin fuses a split config's gate/up expand into SiLU-and-mul; a fused variant
+def test_prefill_gate_up_before_a_fused_activation_tunes_only_configs_that_fuse_it() -> None:
+    # The plugin fuses a split config's gate/up expand into the activation; a fused variant
     # would lose that pass at prefill sizes. At decode sizes both kinds stay candidates.
     prefill = candidates(2048, REGIMES.prefill_min_pairs, 2, fused_activation=True)
     assert prefill and all(c.variant == "split" for c in prefill)
@@ -52,7 +53,11 @@ def test_prefill_gate_up_before_a_fused_silu_tunes_only_configs_that_fuse_it() -
     assert any(c.variant == "fused" for c in candidates(2048, 2048, 2, fused_activation=True))
     assert fuses_activation(SHAPES["qwen3-30b-a3b"], "w13")
     assert not fuses_activation(SHAPES["qwen3-30b-a3b"], "w2")
-    assert not fuses_activation(SHAPES["gpt-oss-20b"], "w13")  # clamped SwiGLU: vLLM's own
+    assert fuses_activation(SHAPES["gpt-oss-20b"], "w13")  # swigluoai on one interleaved slice
+    assert not fuses_activation(SHAPES["gpt-oss-20b"], "w2")
+    # Each activation is fused on its own layout only.
+    assert not fuses_activation(dataclasses.replace(SHAPES["gpt-oss-20b"], lora_3d=False), "w13")
+    assert not fuses_activation(dataclasses.replace(SHAPES["qwen3-30b-a3b"], lora_3d=True), "w13")
 
 
 class _LookedUp(Exception):
