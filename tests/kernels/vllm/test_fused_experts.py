@@ -59,6 +59,12 @@ def _act(kind: Act, gate_up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up
 
 
+# (activation, call) pairs: the two fused ones (Qwen3's SiLU on two slices, GPT-OSS's swigluoai
+# on one interleaved) and one that gets the expand first.
+FLOWS = [(Act.SILU, CASE), (Act.GELU, CASE), (Act.SWIGLUOAI, GPT_OSS)]
+FLOW_IDS = ["silu", "gelu", "gpt_oss_swigluoai"]
+
+
 class QuantConfig:
     gemm1_clamp_limit: float | None = None
 
@@ -355,13 +361,14 @@ def test_a_delta_only_call_is_not_deferred(classes: Any, side_at_any_size: None)
     assert _down_ran_in_order(applied)
 
 
-@pytest.mark.parametrize("kind", [Act.SILU, Act.GELU])
+@pytest.mark.parametrize(("kind", "case"), FLOWS, ids=FLOW_IDS)
 def test_prefill_sized_down_lora_runs_beside_and_moe_sum_adds_it(
-    classes: Any, side_at_any_size: None, kind: Act
+    classes: Any, side_at_any_size: None, kind: Act, case: Case
 ) -> None:
     """The down LoRA writes a delta buffer of its own (poisoned where it skips rows: tokens
     without adapter) and leaves the GEMM's buffer alone; moe_sum adds the delta."""
-    applied = _apply(classes[0], kind)
+    applied = _apply(classes[0], kind, case=case)
+    assert applied.experts.activations == ([Act.GELU] if kind is Act.GELU else [])
     assert not _down_ran_in_order(applied)
     assert applied.experts.down_calls[0][1] is not applied.down_buffer
     assert applied.act_error < 1e-5
@@ -440,14 +447,8 @@ def test_on_a_gpu_the_down_lora_runs_on_a_second_stream_between_the_right_waits(
     assert applied.sum_error < 2e-2
 
 
-# (activation, call) pairs for the GPU flows: the two fused ones (Qwen3's SiLU on two slices,
-# GPT-OSS's swigluoai on one interleaved) and one that gets the expand first.
-GPU_FLOWS = [(Act.SILU, CASE), (Act.GELU, CASE), (Act.SWIGLUOAI, GPT_OSS)]
-GPU_FLOW_IDS = ["silu", "gelu", "gpt_oss_swigluoai"]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize(("kind", "case"), GPU_FLOWS, ids=GPU_FLOW_IDS)
+@pytest.mark.parametrize(("kind", "case"), FLOWS, ids=FLOW_IDS)
 def test_in_a_cuda_graph_prefill_sized_loras_run_on_a_second_stream(
     classes: Any, monkeypatch: pytest.MonkeyPatch, kind: Act, case: Case
 ) -> None:
@@ -478,7 +479,7 @@ def test_in_a_cuda_graph_prefill_sized_loras_run_on_a_second_stream(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("kind", "case"), GPU_FLOWS, ids=GPU_FLOW_IDS)
+@pytest.mark.parametrize(("kind", "case"), FLOWS, ids=FLOW_IDS)
 def test_a_decode_batch_keeps_both_loras_in_order_eagerly_and_in_a_cuda_graph(
     classes: Any, kind: Act, case: Case
 ) -> None:
@@ -512,14 +513,15 @@ def _spy_on_gate_up_side(experts_cls: type[StockExperts]) -> list[bool]:
     return seen
 
 
+@pytest.mark.parametrize(("kind", "case"), [FLOWS[0], FLOWS[2]], ids=[FLOW_IDS[0], FLOW_IDS[2]])
 def test_prefill_sized_gate_up_lora_goes_beside_the_gemm_and_is_joined(
-    classes: Any, side_at_any_size: None
+    classes: Any, side_at_any_size: None, kind: Act, case: Case
 ) -> None:
     """On the CPU the side stream is the current one: the flow marks the call as beside (the
     activation finds and joins it, `_apply` asserts it is gone) and the results hold."""
     experts_cls = classes[0]
     seen = _spy_on_gate_up_side(experts_cls)
-    applied = _apply(experts_cls, Act.SILU)
+    applied = _apply(experts_cls, kind, case=case)
     assert seen == [True]
     assert applied.act_error < 1e-5 and applied.sum_error < 1e-5
 
