@@ -147,9 +147,9 @@ def _chunk_inputs(c, slot, blk, sorted_ptr, num_pairs, em, stride_sl, offs_n, N,
 
 @triton.jit
 def _gemv_activation(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr,
-                       stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
-                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
-                       SWIGLUOAI: tl.constexpr):  # fmt: skip
+                     stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
+                     SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+                     SWIGLUOAI: tl.constexpr):  # fmt: skip
     """A naive-form LoRA program: one pair, so its row as vectors, not a 16-row tile of which
     one row is real (`gemv_kernels`). The buffer row loads before the PDL wait, as the
     expand's output tile does."""
@@ -164,9 +164,9 @@ def _gemv_activation(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_u
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if SWIGLUOAI:
-        tmp = gemv_partials(pair_ws, SPLIT_K, BLOCK_R)  # one slice's, for gate and up
-        gate += gemv_delta(b_gate, tmp).to(gate.dtype)
-        up += gemv_delta(b_up, tmp).to(up.dtype)
+        partials = gemv_partials(pair_ws, SPLIT_K, BLOCK_R)  # one slice's, for gate and up
+        gate += gemv_delta(b_gate, partials).to(gate.dtype)
+        up += gemv_delta(b_up, partials).to(up.dtype)
     else:
         gate += gemv_delta(b_gate, gemv_partials(pair_ws, SPLIT_K, BLOCK_R)).to(gate.dtype)
         up += gemv_delta(b_up, gemv_partials(pair_ws + slice_cells, SPLIT_K, BLOCK_R)).to(up.dtype)
@@ -270,8 +270,8 @@ def moe_lora_expand_silu_and_mul_kernel(
     if not SORTED:
         tl.static_assert(WS_ROWS == 1)
         _gemv_activation(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
-                           out_ptr, stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
-                           SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI)  # fmt: skip
+                         out_ptr, stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
+                         SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI)  # fmt: skip
         return
     # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
     all_pairs = unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
