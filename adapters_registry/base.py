@@ -120,7 +120,8 @@ class AdapterSource(Protocol):
         """Make `name` servable and hold it for the duration of one request.
 
         Raises AdapterNotFound if there is no such adapter, AdapterUnavailable if it cannot be
-        fetched or loaded, AdapterQuarantined if it is quarantined. While a lease is held, the
+        fetched or loaded, AdapterQuarantined if it is quarantined, AdapterNotApplied if the
+        engine would leave part of its LoRA out. While a lease is held, the
         version it returned is not deleted and stays in the engine, quarantined or not.
         """
         ...

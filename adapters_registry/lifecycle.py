@@ -96,9 +96,9 @@ async def build_registry(
 
 async def seed(registry: ManagedRegistry, folder: Path, *, examples: bool = False) -> None:
     """Register every adapter subfolder of `folder` under its folder name (unchanged: no-op).
-    Raises AdapterInvalid, but with `examples` (the demo's adapters) one the registry refuses
-    is logged and left out: the demo's MLP adapter on an engine whose lora_target_modules leave
-    the MLP out must not stop the start."""
+    Raises AdapterInvalid, but with `examples` (the demo's adapters) one the engine's
+    lora_target_modules leave out (`untargeted_module`) is logged and left out: the demo's MLP
+    adapter on an engine restricted to attention must not stop the start."""
     subfolders = await asyncio.to_thread(
         lambda: sorted(p for p in folder.iterdir() if (p / CONFIG_FILE).is_file())
     )
@@ -111,7 +111,7 @@ async def seed(registry: ManagedRegistry, folder: Path, *, examples: bool = Fals
         try:
             info = await registry.register(sub.name, str(sub))
         except AdapterInvalid as e:
-            if not examples:
+            if not (examples and e.reason == "untargeted_module"):
                 raise
             log.warning("demo adapter %s not registered: %s", sub.name, e.message)
             continue

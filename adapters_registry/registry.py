@@ -70,7 +70,8 @@ class AdapterRegistry:
 
     def lease(self, name: str) -> AbstractAsyncContextManager[ServableAdapter]:
         """Hold `name`'s version in the engine for one request (`AdapterSource.lease`); raises
-        AdapterNotFound or AdapterQuarantined at once."""
+        AdapterNotFound or AdapterQuarantined at once, AdapterUnavailable or AdapterNotApplied
+        from its load."""
         return self.residency.lease(self.resolve(name), name)
 
     async def quarantine(self, name: str, version: str, reason: str) -> None:

@@ -81,6 +81,9 @@ class Residency:
     # its request's disk miss, not a hit on the files the prefetch put there. A version whose
     # request left before its load stays until its next load: one entry at most.
     _fetched_ahead: set[str] = field(default_factory=set, init=False)
+    # Version -> the first module of it the engine leaves unwrapped (None: all wrapped), once
+    # checked against `targets`.
+    _untargeted: dict[str, str | None] = field(default_factory=dict, init=False)
     # Engine id -> unpin, and -> removal, under way.
     _unpins: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _retires: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)
@@ -139,16 +142,20 @@ class Residency:
                 self.metrics.misses.labels("disk").inc()
             else:
                 self.metrics.hits.labels("disk").inc()
-            self.quarantines.check(record, record.name)  # quarantined during the download
             await self._check_applied(record)
+            # With no await between it and the load: quarantined during the download or check.
+            self.quarantines.check(record, record.name)
             await self.tiers.load(self.servable(record), record.size_bytes)
 
     async def _check_applied(self, record: VersionRecord) -> None:
         """Refuse a version this engine would serve without part of its LoRA (`targets`)."""
         if self.targets is None:
             return
-        weights = self.cache.path(record.version) / WEIGHTS_FILE
-        module = await asyncio.to_thread(untargeted_module, weights, self.targets)
+        if record.version not in self._untargeted:  # a version's bytes never change
+            weights = self.cache.path(record.version) / WEIGHTS_FILE
+            found = await asyncio.to_thread(untargeted_module, weights, self.targets)
+            self._untargeted[record.version] = found
+        module = self._untargeted[record.version]
         if module is not None:
             raise AdapterNotApplied(
                 f"adapter `{record.name}` has LoRA on module `{module}`, which this server's "

@@ -160,11 +160,8 @@ def untargeted_module(weights: Path, targets: LoraTargets) -> str | None:
     """The first module `weights` (a registered version's safetensors file) gives LoRA to that an
     engine restricted to `targets` leaves unwrapped, or None. Reads the header only: the file
     passed validation at registration."""
-    for name in read_header(weights):
-        module, _ = _split_tensor_name(name)
-        if not targets.serves(module):
-            return module
-    return None
+    modules = dict.fromkeys(_split_tensor_name(name)[0] for name in read_header(weights))
+    return next((m for m in modules if not targets.serves(m)), None)
 
 
 def _check_tensors(

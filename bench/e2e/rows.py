@@ -97,13 +97,12 @@ def offline_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def mode_label(row: dict[str, Any]) -> str:
-    """The row's mode, with what set it apart from the default run in brackets: the decode
-    variant of the 2026-11-28 A/B (docs/kernels.md), or vLLM's LoRA target modules."""
-    if row.get("variant"):
-        return f"{row['mode']}[{row['variant']}]"
+    """The row's mode, with what set it apart from the default run in brackets: a decode
+    variant (rows of the variants' A/B, docs/kernels.md), vLLM's LoRA target modules."""
+    marks = [str(row["variant"])] if row.get("variant") else []
     if row.get("lora_target_modules"):
-        return f"{row['mode']}[targets={','.join(row['lora_target_modules'])}]"
-    return str(row["mode"])
+        marks.append(f"targets={','.join(row['lora_target_modules'])}")
+    return f"{row['mode']}[{';'.join(marks)}]" if marks else str(row["mode"])
 
 
 def server_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,7 +30,6 @@ from bench.e2e.serve_e2e import TINY, vllm_server_args
 from bench.e2e.shapes import (
     ADAPTER_TARGETS,
     GPT_OSS_20B,
-    MODELS,
     RANK,
     SMALL_CHECK,
     adapter_config,
@@ -145,42 +144,18 @@ def test_vllms_lora_loader_takes_the_gpt_oss_adapter(tmp_path: Path) -> None:
     assert want <= set(lora.loras)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_the_adapter_targets_hold_every_bench_adapter_module_and_not_the_router(model: str) -> None:
-    """vLLM's own rule (is_in_target_modules, with the model class's packed modules) serves
-    the module that holds each LoRA of the bench adapter, in vLLM's names (qkv_proj for q_proj,
-    the experts for an expert's), under ADAPTER_TARGETS, and not the MoE router."""
-    from vllm.lora.utils import is_in_target_modules, parse_fine_tuned_lora_name
-    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
-    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    cls = GptOssForCausalLM if model == "gpt-oss-20b" else Qwen3MoeForCausalLM
-    packed = dict(cls.packed_modules_mapping)
-    parent = {child: p for p, children in packed.items() for child in children}
-
-    def holder(name: str) -> str:
-        if ".experts" in name:
-            return name[: name.index(".experts") + len(".experts")]
-        head, _, suffix = name.rpartition(".")
-        return f"{head}.{parent.get(suffix, suffix)}"
-
-    names = {parse_fine_tuned_lora_name(f"{m}.lora_A.weight", cls.hf_to_vllm_mapper)[0]
-             for m in adapter_shapes(dims(model_config(model, 2)))}  # fmt: skip
-    holders = {holder(n) for n in names}
-    assert {h.rpartition(".")[2] for h in holders} == set(ADAPTER_TARGETS)
-    assert all(is_in_target_modules(h, list(ADAPTER_TARGETS), packed) for h in holders)
-    router = "model.layers.0.mlp." + ("router" if model == "gpt-oss-20b" else "gate")
-    assert not is_in_target_modules(router, list(ADAPTER_TARGETS), packed)
-
-
 def test_a_run_with_lora_targets_is_its_own_row_over_the_same_base() -> None:
     targeted = {**offline("plugin", "gpt-oss-20b", 95.0, 0.45),
                 "lora_target_modules": list(ADAPTER_TARGETS)}  # fmt: skip
+    both = {**targeted, "otps_per_req_median": 96.0, "variant": "dense_fused"}
     rows = [offline("base", "gpt-oss-20b", 100.0, 0.4), offline("plugin", "gpt-oss-20b", 90.0, 0.5),
-            targeted]  # fmt: skip
+            targeted, both]  # fmt: skip
     table = {t["mode"]: t for t in offline_table(rows)}
     assert table["plugin"]["vs_base"] == pytest.approx(0.9)
     assert table["plugin[targets=qkv_proj,o_proj,experts]"]["vs_base"] == pytest.approx(0.95)
+    assert table["plugin[dense_fused;targets=qkv_proj,o_proj,experts]"]["vs_base"] == (
+        pytest.approx(0.96)
+    )
 
 
 class FakeOutput:

@@ -59,9 +59,12 @@ def _silu_and_mul(gate, up):
 
 @triton.jit
 def _swigluoai_and_mul(gate, up, alpha, limit):
-    """vLLM's swigluoai_and_mul (its CUDA kernel, element by element): gate clamped to at most
-    limit, up to [-limit, limit], gate x sigmoid(alpha x gate) x (up + 1) in float from the
-    buffer's dtype, rounded once. The clamps compare as that kernel's do: NaN stays NaN."""
+    """vLLM's swigluoai_and_mul, element by element: gate clamped to at most limit, up to
+    [-limit, limit], gate x sigmoid(alpha x gate) x (up + 1) in float from the buffer's dtype,
+    rounded once. A NaN stays NaN, as in vLLM's torch form (`SwigluOAIAndMul.forward_native`)
+    and its older CUDA kernel; its newer CUDA kernel clamps with fminf, which turns a NaN into
+    the limit. Only a poisoned adapter's own rows hold NaN here, and kept, they reach the
+    engine's finite guard (docs/isolation.md)."""
     g = gate.to(tl.float32)
     g = tl.where(g > limit, limit, g)
     u = up.to(tl.float32)

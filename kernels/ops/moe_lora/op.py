@@ -248,8 +248,8 @@ def fused_moe_lora(
 class SplitExpand:
     """The expand half of a split launch, whose shrink has run: the partial products in `ws`
     and everything the expand kernel reads besides. `launch()` adds the LoRA delta into the
-    output; `act.expand_silu_and_mul` instead adds it on the fly into a following
-    SiLU-and-mul and leaves the output as it was."""
+    output; `act.expand_silu_and_mul` and `act.expand_swigluoai_and_mul` instead add it on the
+    fly into the activation that follows and leave the output as it was."""
 
     ws: torch.Tensor  # (slices, units, split_k, ws_rows, block_r) fp32 partial products
     b0: torch.Tensor
@@ -291,7 +291,9 @@ class SplitExpand:
         """A gate/up call as vLLM's fused experts make it, into an output exactly as wide from
         column 0, added to, not scaled by the routing weights: two slices side by side
         (`FusedMoEWithLoRA`), or one slice of an even width (`FusedMoE3DWithLoRA`, whose w13 B
-        holds gate and up in one tensor, GPT-OSS's interleaved)."""
+        holds gate and up in one tensor, GPT-OSS's interleaved). One slice also matches calls
+        that are not gate and up (a non-gated MoE's w13): deferring those is safe because the
+        activation launches whatever it does not fuse (`vllm/fused_experts.py`)."""
         two = self.slices() == 2 and self.out2d.shape[1] == 2 * self.n
         one = self.slices() == 1 and self.out2d.shape[1] == self.n and self.n % 2 == 0
         return (two or one) and self.offset == 0 and self.add_inputs and not self.mul_routed_weight
