@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 43's measurements in one GPU session on the 2-GPU kind, one device call per PART, each
-# under 600 s, GPU 0 and GPU 1 running their lists side by side. vLLM's pieces p1-p3 must be in
+# Issue 43's measurements in one GPU session, one device call per PART, each under 600 s: on the
+# 2-GPU kind GPU 0 and GPU 1 run their lists side by side; on a 1-GPU kind, LANE (0 or 1) names
+# the list to run on its one GPU. vLLM's pieces p1-p3 must be in
 # /tmp/vchunks (../shared/gpu/README.md); carry .gpu/p4 in the first part's call, which joins
 # them into /tmp/site (its ~30 s count in the part's budget), and .gpu/p6 in d and f's (the
 # server's wheels). From the repository root:
-#   bash bench/e2e/run_session.sh COMMIT PART
+#   bash bench/e2e/run_session.sh COMMIT PART [LANE]
 # PART, most important first (seconds: estimates on a cold H200 machine, docs/bench.md):
 #   a  decode, Qwen3 shape base + plugin (3 reps) | GPT-OSS shape base + plugin (3 reps)
 #   b  the check (small real-weight MoE), eager on GPU 0 and CUDA graphs on GPU 1, each beside
@@ -29,6 +30,7 @@
 set -uo pipefail
 commit=$1
 part=$2
+only_lane=${3:-}
 site=${SITE:-/tmp/site}
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 BUDGET_S=${BUDGET_S:-570}
@@ -80,37 +82,55 @@ serve() {
     --out "$work" --install "$site" --requests 32 --start-timeout "$left"
 }
 
+# lanes: the part's lists, lane0 and lane1, side by side on GPUs 0 and 1; with LANE, that one
+# alone on GPU 0.
+lanes() {
+  if [ -n "$only_lane" ]; then
+    (export CUDA_VISIBLE_DEVICES=0 && "lane$only_lane")
+  else
+    (export CUDA_VISIBLE_DEVICES=0 && lane0) &
+    (export CUDA_VISIBLE_DEVICES=1 && lane1) &
+    wait
+  fi
+}
+
 source bench/e2e/server_wheels.sh
 
 qwen=(--model qwen3-30b-a3b)
 oss=(--model gpt-oss-20b)
 case "$part" in
   a)
-    (export CUDA_VISIBLE_DEVICES=0
+    lane0() {
       bench base-qwen 300 base "${qwen[@]}"
-      bench plugin-qwen 300 plugin "${qwen[@]}") &
-    (export CUDA_VISIBLE_DEVICES=1
+      bench plugin-qwen 300 plugin "${qwen[@]}"
+    }
+    lane1() {
       bench base-oss 280 base "${oss[@]}"
-      bench plugin-oss 300 plugin "${oss[@]}") &
-    wait ;;
+      bench plugin-oss 300 plugin "${oss[@]}"
+    }
+    lanes ;;
   b)
-    (export CUDA_VISIBLE_DEVICES=0
+    lane0() {
       for m in check-base check-plugin check-stock; do bench "$m" 120 "$m"; done
-      bench stock-qwen 330 stock "${qwen[@]}") &
-    (export CUDA_VISIBLE_DEVICES=1
+      bench stock-qwen 330 stock "${qwen[@]}"
+    }
+    lane1() {
       for m in check-base-graphs check-plugin-graphs check-stock-graphs; do
         bench "$m" 150 "$m"
       done
-      bench stock-oss 300 stock "${oss[@]}") &
-    wait ;;
+      bench stock-oss 300 stock "${oss[@]}"
+    }
+    lanes ;;
   c)
-    (export CUDA_VISIBLE_DEVICES=0
+    lane0() {
       bench check-plugin-graphs 150 check-plugin-graphs
-      bench check-plugin-graphs-ngram 150 check-plugin-graphs --spec ngram) &
-    (export CUDA_VISIBLE_DEVICES=1
+      bench check-plugin-graphs-ngram 150 check-plugin-graphs --spec ngram
+    }
+    lane1() {
       bench check-base-graphs 150 check-base-graphs
-      bench check-base-graphs-ngram 150 check-base-graphs --spec ngram) &
-    wait
+      bench check-base-graphs-ngram 150 check-base-graphs --spec ngram
+    }
+    lanes
     export CUDA_VISIBLE_DEVICES=0,1
     bench check-stock-tp2 150 check-stock --tp 2
     bench check-plugin-graphs-tp2 180 check-plugin-graphs --tp 2
@@ -119,42 +139,50 @@ case "$part" in
     server_wheels "$site"
     model=("${qwen[@]}")
     [ "$part" = f ] && model=("${oss[@]}")
-    (export CUDA_VISIBLE_DEVICES=0
-      serve serve-plugin --modes plugin "${model[@]}" --root /tmp/e2e_serve0) &
-    (export CUDA_VISIBLE_DEVICES=1
-      serve serve-vllm --modes vllm-base vllm-stock "${model[@]}" --root /tmp/e2e_serve1) &
-    wait ;;
+    lane0() {
+      serve serve-plugin --modes plugin "${model[@]}" --root /tmp/e2e_serve0
+    }
+    lane1() {
+      serve serve-vllm --modes vllm-base vllm-stock "${model[@]}" --root /tmp/e2e_serve1
+    }
+    lanes ;;
   e)
     export CUDA_VISIBLE_DEVICES=0,1
     bench base-qwen-tp2 280 base "${qwen[@]}" --tp 2 --reps 2
     bench plugin-qwen-tp2 290 plugin "${qwen[@]}" --tp 2 --reps 2 ;;
   g)
     prof=(--profile decode)
-    (export CUDA_VISIBLE_DEVICES=0
+    lane0() {
       bench plugin-oss 330 plugin "${oss[@]}" "${prof[@]}"
-      bench base-oss 330 base "${oss[@]}" "${prof[@]}") &
-    (export CUDA_VISIBLE_DEVICES=1
-      bench plugin-qwen 360 plugin "${qwen[@]}" "${prof[@]}") &
-    wait ;;
+      bench base-oss 330 base "${oss[@]}" "${prof[@]}"
+    }
+    lane1() {
+      bench plugin-qwen 360 plugin "${qwen[@]}" "${prof[@]}"
+    }
+    lanes ;;
   t)
     targets=(--lora-targets $(python3 -c 'from bench.e2e.shapes import ADAPTER_TARGETS as t; print(*t)'))
-    (export CUDA_VISIBLE_DEVICES=0
+    lane0() {
       bench plugin-oss-targets 300 plugin "${oss[@]}" "${targets[@]}"
-      bench stock-oss-targets 300 stock "${oss[@]}" "${targets[@]}") &
-    (export CUDA_VISIBLE_DEVICES=1
+      bench stock-oss-targets 300 stock "${oss[@]}" "${targets[@]}"
+    }
+    lane1() {
       bench plugin-qwen-targets 300 plugin "${qwen[@]}" "${targets[@]}"
-      bench stock-qwen-targets 300 stock "${qwen[@]}" "${targets[@]}") &
-    wait ;;
+      bench stock-qwen-targets 300 stock "${qwen[@]}" "${targets[@]}"
+    }
+    lanes ;;
   k)
     # The plugin with and without speculation (greedy agreement), base with it (step time).
-    (export CUDA_VISIBLE_DEVICES=0
+    lane0() {
       bench check-plugin-graphs 150 check-plugin-graphs
       bench check-plugin-graphs-ngram 150 check-plugin-graphs --spec ngram
-      bench check-base-graphs-ngram 120 check-base-graphs --spec ngram) &
-    (export CUDA_VISIBLE_DEVICES=1
+      bench check-base-graphs-ngram 120 check-base-graphs --spec ngram
+    }
+    lane1() {
       TESTS_LIMIT_S=410 engine kernel-tests 420 bash bench/kernels/run_device.sh "$commit" tests
-      tail -n 3 "$work/kernel-tests.log" | tee -a "$report") &
-    wait ;;
+      tail -n 3 "$work/kernel-tests.log" | tee -a "$report"
+    }
+    lanes ;;
   *)
     echo "unknown part $part (a b c d e f g t k)" >&2
     exit 2 ;;
