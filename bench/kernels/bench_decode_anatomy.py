@@ -50,7 +50,7 @@ from bench.kernels.moe_lora_workload import (
     time_interleaved,
 )
 from bench.kernels.tune_moe_lora import candidates, shape_key
-from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, gpu_slug, lookup
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, gpu_of, gpu_slug, lookup
 from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
 
 READ_CHUNKS = 16  # chunks per (pair, slice) of the read-only kernel: 8 was 1.7x slower on GPT-OSS
@@ -182,8 +182,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ns = parser.parse_args()
-    gpu = torch.cuda.get_device_name()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gpu = gpu_of(torch.cuda.get_device_properties(0))
     bw = copy_bandwidth()
     out = torch.empty(1 << 20, device="cuda")
     rows = []
@@ -203,14 +202,14 @@ def main() -> None:
                 ]  # fmt: skip
                 pairs = tokens * shape.top_k
                 key = shape_key(shape, spec, 32, not naive, str(torch.bfloat16))
-                config = lookup(gpu, key, pairs, sms, block_m)
+                config = lookup(gpu, key, pairs, block_m)
                 timed = variants(sets, reads, spec, config, block_m, nbytes, out)
                 times = dict(zip(timed, time_interleaved(list(timed.values())), strict=True))
                 floor = sum(b for _, b in made) / len(made) / bw * 1e6
                 form = "naive" if naive else f"sorted {block_m}"
                 rows.append({"shape": shape.name, "layout": shape.layout, "op": op,
                              "tokens": tokens, "form": form,
-                             "floor_us": floor, "us": times, "machine": gpu,
+                             "floor_us": floor, "us": times, "machine": gpu.name,
                              "commit": ns.commit, "copy_tb_s": bw / 1e12,
                              "config": config.to_json()})  # fmt: skip
                 print(f"{shape.name:14s} {op:3s} M={tokens:3d} {form:9s} floor {floor:6.2f} "
@@ -221,7 +220,7 @@ def main() -> None:
                       f"copy_floor {times['copy_floor']:6.2f} empty {times['empty']:4.2f}",
                       flush=True)  # fmt: skip
                 print("   ", " ".join(f"{n}={t:.2f}" for n, t in times.items()), flush=True)
-    print("wrote", append_rows(f"decode_anatomy_{gpu_slug(gpu)}", rows, ns.out))
+    print("wrote", append_rows(f"decode_anatomy_{gpu_slug(gpu.name)}", rows, ns.out))
 
 
 if __name__ == "__main__":

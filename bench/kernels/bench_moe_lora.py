@@ -54,7 +54,13 @@ from bench.kernels.moe_lora_workload import (
 from bench.kernels.tune_moe_lora import candidates, fuses_activation, shape_key, tune_point
 from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora.act import expand_silu_and_mul, expand_swigluoai_and_mul
-from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, gpu_slug, lookup, write_configs
+from loraplex.kernels.ops.moe_lora.configs import (
+    MoeLoraConfig,
+    gpu_of,
+    gpu_slug,
+    lookup,
+    write_configs,
+)
 from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.ops.moe_lora_align.op import moe_lora_align_block_size
 from loraplex.kernels.ops.moe_lora_align.reference import sorted_form_size
@@ -221,10 +227,9 @@ def bench_point(
     their_args = args if same_form else [s for s, _ in make(vllm_block, vllm_naive)]
     key = shape_key(shape, spec, ns.rank, sorted_form, str(ns.dtype))
     theirs = [functools.partial(vllm_call, a, shrink, expand) for a in their_args]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu_of(torch.cuda.get_device_properties(0))
     our_block = block_m if sorted_form else None  # what a sorted entry records it was tuned at
-    cfg = lookup(gpu, key, num_pairs, sms, our_block)
+    cfg = lookup(gpu, key, num_pairs, our_block)
     # With --tune, the config this tree's file gave before the tune: timed beside the new one,
     # so the row says what the re-tune changed in the same interleaved run.
     prev = cfg if ns.tune else None
@@ -264,7 +269,7 @@ def bench_point(
     # before entries recorded theirs, was tuned at vLLM's block and serves any).
     if their_args is not args:
         vllm_form_key = dataclasses.replace(key, sorted_form=not vllm_naive)
-        vllm_form_cfg = lookup(gpu, vllm_form_key, num_pairs, sms,
+        vllm_form_cfg = lookup(gpu, vllm_form_key, num_pairs,
                                None if vllm_naive else vllm_block)  # fmt: skip
         if vllm_form_cfg.variant != "stock":
             timed["ours_vllm_form"] = ours_with(vllm_form_cfg, their_args, vllm_block)
@@ -323,9 +328,9 @@ def main() -> None:
         parser.error(f"--tune takes the round_robin popularity, not {ns.popularity}")
     ns.tuned = {}  # shape key -> num pairs -> MoeLoraConfig
     ns.dtype = torch.bfloat16
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu_of(torch.cuda.get_device_properties(0))
     bw = copy_bandwidth()
-    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    print(f"{gpu.name}: copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     for name in ns.shapes:
         shape = SHAPES[name]
@@ -334,7 +339,7 @@ def main() -> None:
                                    "cuda")  # fmt: skip
             for tokens in ns.batches:
                 row = bench_point(shape, op, tokens, weights, bw, ns)
-                row.update(machine=gpu, commit=ns.commit, copy_tb_s=bw / 1e12, rank=ns.rank,
+                row.update(machine=gpu.name, commit=ns.commit, copy_tb_s=bw / 1e12, rank=ns.rank,
                            adapters=ns.adapters, dtype="bfloat16", align=ns.align,
                            popularity=ns.popularity)  # fmt: skip
                 rows.append(row)
@@ -357,7 +362,7 @@ def main() -> None:
     if ns.tune:
         print("wrote", write_configs(gpu, ns.tuned))
     name = "moe_lora" if ns.align == "vllm" else "moe_lora_align_ours"
-    print("wrote", append_rows(f"{name}_{gpu_slug(gpu)}", rows, ns.out))
+    print("wrote", append_rows(f"{name}_{gpu_slug(gpu.name)}", rows, ns.out))
 
 
 if __name__ == "__main__":

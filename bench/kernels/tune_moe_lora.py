@@ -32,7 +32,7 @@ from bench.kernels.moe_lora_workload import (
     time_per_call,
 )
 from loraplex.kernels.dispatch import REGIMES
-from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, ShapeKey, write_configs
+from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, ShapeKey, gpu_of, write_configs
 from loraplex.kernels.ops.moe_lora.op import fused_moe_lora
 
 # The split variant's fp32 workspace (slices x units x split x rows x rank) must stay modest.
@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu_of(torch.cuda.get_device_properties(0))
     tuned: dict[str, dict[int, MoeLoraConfig]] = {}
     for name in args.shapes:
         shape = SHAPES[name]

@@ -7,20 +7,24 @@ Files live in `kernels/configs/moe_lora_<gpu slug>.json` and are written by
      "shapes": {"<shape key>": {"<num pairs>": {"variant": "split", "block_k": 128, ...}}}}
 
 A lookup takes the entry of the nearest tuned pair count (in log scale) for the shape, or for a
-one-slice shape without entries those of its two-slice twin (`tuned_entries`); an unknown GPU or
-shape gets `fallback_config`, a rule of thumb for memory-bound skinny GEMMs.
+one-slice shape without entries those of its two-slice twin (`tuned_entries`). A GPU without a
+file of its own takes the file of a GPU of the same architecture and SM count (`_table`); an
+unknown shape, or a GPU with no such sibling, gets `fallback_config`, a rule of thumb for
+memory-bound skinny GEMMs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs"  # kernels/configs: tuned configs as data
+log = logging.getLogger(__name__)
 Variant = Literal["split", "fused", "stock"]
 # Bounds on a per-thread register cap: the CUDA ABI's minimum and the most a thread can have on
 # sm_90. A cap inside them can still be too low for a kernel: ptxas then fails its compile (the
@@ -114,16 +118,47 @@ class ShapeKey:
         )
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """The GPU a config is for: its name picks its own file; its architecture and SM count, a
+    sibling's file where it has none (a tuned config sets how many programs fill the SMs, and
+    its register and shared-memory use, which the architecture bounds)."""
+
+    name: str
+    arch: str  # "sm_90"
+    sms: int
+
+
+def gpu_of(props: Any) -> Gpu:
+    """The Gpu of torch.cuda.get_device_properties(index)'s answer."""
+    return Gpu(props.name, f"sm_{props.major}{props.minor}", props.multi_processor_count)
+
+
 def gpu_slug(gpu_name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in gpu_name).strip("_").lower()
 
 
 @lru_cache(maxsize=16)
-def _load(gpu_name: str) -> dict[str, dict[int, MoeLoraConfig]]:
-    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
-    if not path.is_file():
-        return {}
-    raw = json.loads(path.read_text())
+def _table(gpu: Gpu) -> dict[str, dict[int, MoeLoraConfig]]:
+    """The GPU's own tuned file, else the first (by name) of a GPU with the same architecture and
+    SM count, else none. The H100 SXM has no file of its own and shares the H200's sm_90 and 132
+    SMs; on the fallback instead, GPT-OSS's plugin decode ran at 0.737 of base on an H100
+    (8924aae, docs/kernels.md), where the H200 with its file gave 0.790."""
+    own = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu.name)}.json"
+    if own.is_file():
+        return _parse(json.loads(own.read_text()))
+    for path in sorted(CONFIG_DIR.glob("moe_lora_*.json")):
+        raw = json.loads(path.read_text())
+        if raw.get("arch") == gpu.arch and raw.get("sms") == gpu.sms:
+            log.warning(
+                "no tuned MoE-LoRA configs for %s: using %s's (%s, %d SMs alike)",
+                gpu.name, raw["gpu"], gpu.arch, gpu.sms,
+            )  # fmt: skip
+            return _parse(raw)
+    return {}
+
+
+def _parse(raw: dict[str, Any]) -> dict[str, dict[int, MoeLoraConfig]]:
     return {
         shape: {int(pairs): MoeLoraConfig(**cfg) for pairs, cfg in by_pairs.items()}
         for shape, by_pairs in raw["shapes"].items()
@@ -155,16 +190,14 @@ def _serves_block(config: MoeLoraConfig, block_m: int) -> bool:
     return tuned is None or max(tuned, block_m) <= BLOCK_M_TOLERANCE * min(tuned, block_m)
 
 
-def lookup(
-    gpu_name: str, key: ShapeKey, num_pairs: int, sm_count: int, block_m: int | None = None
-) -> MoeLoraConfig:
+def lookup(gpu: Gpu, key: ShapeKey, num_pairs: int, block_m: int | None = None) -> MoeLoraConfig:
     """The tuned config nearest to num_pairs for this GPU and shape (`tuned_entries`; in the
     sorted form, among those that serve `block_m`), else the fallback."""
-    tuned = tuned_entries(_load(gpu_name), key)
+    tuned = tuned_entries(_table(gpu), key)
     if block_m is not None:
         tuned = {p: c for p, c in tuned.items() if _serves_block(c, block_m)}
     if not tuned:
-        return fallback_config(key, num_pairs, sm_count)
+        return fallback_config(key, num_pairs, gpu.sms)
     return tuned[_log_nearest(tuned, max(num_pairs, 1))]
 
 
@@ -202,11 +235,11 @@ def _log_nearest(entries: Collection[int], num_pairs: int) -> int:
     return hi if hi * lo <= num_pairs * num_pairs else lo
 
 
-def write_configs(gpu_name: str, shapes: dict[str, dict[int, MoeLoraConfig]]) -> Path:
+def write_configs(gpu: Gpu, shapes: dict[str, dict[int, MoeLoraConfig]]) -> Path:
     """Merge tuned entries into this GPU's file: a shape's pair counts not re-tuned (a run over
     fewer batches) keep their entries, as do shapes not re-tuned."""
     CONFIG_DIR.mkdir(parents=True, exist_ok=True)
-    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu_name)}.json"
+    path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu.name)}.json"
     merged: dict[str, dict[str, dict[str, object]]] = {}
     if path.is_file():
         merged = json.loads(path.read_text())["shapes"]
@@ -214,6 +247,7 @@ def write_configs(gpu_name: str, shapes: dict[str, dict[int, MoeLoraConfig]]) ->
         entries = {int(p): cfg for p, cfg in merged.get(shape, {}).items()}
         entries.update({p: cfg.to_json() for p, cfg in by_pairs.items()})
         merged[shape] = {str(p): cfg for p, cfg in sorted(entries.items())}
-    path.write_text(json.dumps({"gpu": gpu_name, "shapes": merged}, indent=1) + "\n")
-    _load.cache_clear()
+    header = {"gpu": gpu.name, "arch": gpu.arch, "sms": gpu.sms}
+    path.write_text(json.dumps(header | {"shapes": merged}, indent=1) + "\n")
+    _table.cache_clear()
     return path

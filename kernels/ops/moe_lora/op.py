@@ -23,7 +23,7 @@ import triton
 from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora import gemv_kernels as gemv
 from loraplex.kernels.ops.moe_lora import kernels as kt
-from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, ShapeKey, lookup
+from loraplex.kernels.ops.moe_lora.configs import Gpu, MoeLoraConfig, ShapeKey, gpu_of, lookup
 
 NAIVE_BLOCK_M = 16  # tl.dot needs >= 16 rows; the naive form uses row 0 of each tile.
 # Ranks up to this fit on chip (the shrink's result is a BLOCK_R-wide tile per row).
@@ -35,15 +35,15 @@ class UnsupportedMoeLoraCall(ValueError):
 
 
 @lru_cache(maxsize=8)
-def _device_facts(index: int) -> tuple[str, int, bool]:
+def _device_facts(index: int) -> tuple[Gpu, bool]:
     props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count, props.major >= 9
+    return gpu_of(props), props.major >= 9
 
 
-def _device_info(device: torch.device) -> tuple[str, int, bool]:
-    """(GPU name, SM count, supports PDL); the interpreter on a CPU gets a neutral stand-in."""
+def _device_info(device: torch.device) -> tuple[Gpu, bool]:
+    """(the GPU, supports PDL); the interpreter on a CPU gets a neutral stand-in."""
     if device.type != "cuda":
-        return "cpu", 4, False
+        return Gpu("cpu", "cpu", 4), False
     return _device_facts(device.index if device.index is not None else 0)
 
 
@@ -171,10 +171,10 @@ def fused_moe_lora(
         sorted_arg = ntpp_arg = expert_ids
     if num_units == 0 or n == 0:
         return
-    gpu, sm_count, pdl_ok = _device_info(x.device)
+    gpu, pdl_ok = _device_info(x.device)
     if config is None:
         key = ShapeKey(k, n, len(lora_a), rank, num_experts, top_k_num, sorted_form, str(x.dtype))
-        config = lookup(gpu, key, num_pairs, sm_count, block_m if sorted_form else None)
+        config = lookup(gpu, key, num_pairs, block_m if sorted_form else None)
     if config.variant == "stock":
         raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
     gemv_flags = [name for name in ("gemv_shrink", "gemv_expand") if getattr(config, name)]

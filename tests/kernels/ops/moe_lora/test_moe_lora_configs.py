@@ -3,12 +3,16 @@ takes the nearest entry that serves the call; launch shapes it refuses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from loraplex.kernels.ops.moe_lora import configs as configs
-from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig, ShapeKey
+from loraplex.kernels.ops.moe_lora.configs import Gpu, MoeLoraConfig, ShapeKey
+
+TEST_GPU = Gpu("Test GPU", "sm_90", 132)
+H200 = Gpu("NVIDIA H200", "sm_90", 132)
 
 
 def test_partial_tuning_keeps_other_pair_counts(
@@ -20,13 +24,13 @@ def test_partial_tuning_keeps_other_pair_counts(
     split = MoeLoraConfig("split", 128, 64, split_k=2)
     fused = MoeLoraConfig("fused", 128, 128)
     configs.write_configs(
-        "Test GPU", {key.text(): {512: split, 2048: split}, other.text(): {8: split}}
+        TEST_GPU, {key.text(): {512: split, 2048: split}, other.text(): {8: split}}
     )
-    configs.write_configs("Test GPU", {key.text(): {2048: fused, 204800: fused}})
-    assert configs.lookup("Test GPU", key, 512, 132) == split  # not re-tuned: kept
-    assert configs.lookup("Test GPU", key, 2048, 132) == fused  # re-tuned: replaced
-    assert configs.lookup("Test GPU", key, 204800, 132) == fused  # new
-    assert configs.lookup("Test GPU", other, 8, 132) == split  # another shape: kept
+    configs.write_configs(TEST_GPU, {key.text(): {2048: fused, 204800: fused}})
+    assert configs.lookup(TEST_GPU, key, 512) == split  # not re-tuned: kept
+    assert configs.lookup(TEST_GPU, key, 2048) == fused  # re-tuned: replaced
+    assert configs.lookup(TEST_GPU, key, 204800) == fused  # new
+    assert configs.lookup(TEST_GPU, other, 8) == split  # another shape: kept
 
 
 def test_a_sorted_entry_serves_blocks_near_the_one_it_was_tuned_at(
@@ -39,14 +43,14 @@ def test_a_sorted_entry_serves_blocks_near_the_one_it_was_tuned_at(
     key = ShapeKey(768, 2048, 1, 32, 128, 8, True, "torch.bfloat16")
     at16 = MoeLoraConfig("fused", 128, 128, tuned_block_m=16)
     legacy = MoeLoraConfig("split", 64, 128, expand_parts=4, expand_tiles=16)
-    configs.write_configs("Test GPU", {key.text(): {2048: at16, 204800: legacy}})
-    assert configs.lookup("Test GPU", key, 16384, 132, block_m=16) == at16
-    assert configs.lookup("Test GPU", key, 16384, 132, block_m=32) == at16
-    assert configs.lookup("Test GPU", key, 16384, 132, block_m=64) == legacy
-    assert configs.lookup("Test GPU", key, 2048, 132, block_m=128) == legacy
-    assert configs.lookup("Test GPU", key, 2048, 132) == at16  # no block: nearest
-    configs.write_configs("Test GPU", {key.text(): {204800: at16}})
-    assert configs.lookup("Test GPU", key, 2048, 132, block_m=128) == configs.fallback_config(
+    configs.write_configs(TEST_GPU, {key.text(): {2048: at16, 204800: legacy}})
+    assert configs.lookup(TEST_GPU, key, 16384, block_m=16) == at16
+    assert configs.lookup(TEST_GPU, key, 16384, block_m=32) == at16
+    assert configs.lookup(TEST_GPU, key, 16384, block_m=64) == legacy
+    assert configs.lookup(TEST_GPU, key, 2048, block_m=128) == legacy
+    assert configs.lookup(TEST_GPU, key, 2048) == at16  # no block: nearest
+    configs.write_configs(TEST_GPU, {key.text(): {204800: at16}})
+    assert configs.lookup(TEST_GPU, key, 2048, block_m=128) == configs.fallback_config(
         key, 2048, 132
     )
 
@@ -89,12 +93,12 @@ def test_lookup_takes_the_log_nearest_entry_and_the_larger_at_a_tie(
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     key = ShapeKey(2880, 2880, 2, 32, 32, 4, True, "torch.bfloat16")
     small, mid, large = (MoeLoraConfig("split", 128, n) for n in (64, 128, 256))
-    configs.write_configs("Test GPU", {key.text(): {8: small, 32: mid, 1024: small, 4096: large}})
-    assert configs.lookup("Test GPU", key, 15, 132) == small  # nearer 8 than 32 (16 is the middle)
-    assert configs.lookup("Test GPU", key, 16, 132) == mid  # 8 and 32 equally near
-    assert configs.lookup("Test GPU", key, 2047, 132) == small
-    assert configs.lookup("Test GPU", key, 2048, 132) == large  # 1,024 and 4,096 equally near
-    assert configs.lookup("Test GPU", key, 0, 132) == small  # no pairs: as one
+    configs.write_configs(TEST_GPU, {key.text(): {8: small, 32: mid, 1024: small, 4096: large}})
+    assert configs.lookup(TEST_GPU, key, 15) == small  # nearer 8 than 32 (16 is the middle)
+    assert configs.lookup(TEST_GPU, key, 16) == mid  # 8 and 32 equally near
+    assert configs.lookup(TEST_GPU, key, 2047) == small
+    assert configs.lookup(TEST_GPU, key, 2048) == large  # 1,024 and 4,096 equally near
+    assert configs.lookup(TEST_GPU, key, 0) == small  # no pairs: as one
 
 
 def test_the_3d_gate_up_call_takes_the_two_slice_entries_of_half_its_width(
@@ -108,22 +112,51 @@ def test_the_3d_gate_up_call_takes_the_two_slice_entries_of_half_its_width(
     down = ShapeKey(2880, 2880, 1, 32, 32, 4, False, "torch.bfloat16")
     gemv = MoeLoraConfig("split", 128, 256, split_k=8, gemv_expand=True)
     other = MoeLoraConfig("split", 128, 1024, split_k=8, gemv_shrink=True, gemv_expand=True)
-    configs.write_configs("Test GPU", {two.text(): {64: gemv}, down.text(): {64: other}})
+    configs.write_configs(TEST_GPU, {two.text(): {64: gemv}, down.text(): {64: other}})
     gate_up_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, False, "torch.bfloat16")
-    assert configs.lookup("Test GPU", gate_up_3d, 64, 132) == gemv
-    assert configs.lookup("Test GPU", down, 64, 132) == other
+    assert configs.lookup(TEST_GPU, gate_up_3d, 64) == gemv
+    assert configs.lookup(TEST_GPU, down, 64) == other
     odd = ShapeKey(2880, 5761, 1, 32, 32, 4, False, "torch.bfloat16")
-    assert configs.lookup("Test GPU", odd, 64, 132) == configs.fallback_config(odd, 64, 132)
+    assert configs.lookup(TEST_GPU, odd, 64) == configs.fallback_config(odd, 64, 132)
     sorted_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, True, "torch.bfloat16")
-    assert configs.lookup("Test GPU", sorted_3d, 64, 132) == configs.fallback_config(
-        sorted_3d, 64, 132
-    )
+    assert configs.lookup(TEST_GPU, sorted_3d, 64) == configs.fallback_config(sorted_3d, 64, 132)
 
 
 def test_the_h200_file_serves_gpt_oss_3d_gate_up_tuned_entries() -> None:
     """The committed H200 file: GPT-OSS's gate/up call as vLLM 0.26 makes it (one slice of
     5,760 columns) is served a tuned entry at 16 decode tokens, not the fallback."""
     gate_up_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, False, "torch.bfloat16")
-    entries = configs.tuned_entries(configs._load("NVIDIA H200"), gate_up_3d)
+    entries = configs.tuned_entries(configs._table(H200), gate_up_3d)
     assert entries
-    assert configs.lookup("NVIDIA H200", gate_up_3d, 64, 132) in entries.values()
+    assert configs.lookup(H200, gate_up_3d, 64) in entries.values()
+
+
+def test_a_gpu_without_a_file_borrows_one_of_its_architecture_and_sm_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An H100 SXM (no file) is served the H200's entries, sm_90 and 132 SMs alike, and the log
+    says whose; an H100 PCIe (114 SMs) and an sm_80 GPU of 132 SMs get the fallback; a GPU with
+    its own file keeps it."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    key = ShapeKey(2048, 768, 2, 32, 128, 8, False, "torch.bfloat16")
+    tuned = MoeLoraConfig("split", 128, 256, split_k=8, gemv_expand=True)
+    own = MoeLoraConfig("split", 64, 128, split_k=4)
+    configs.write_configs(H200, {key.text(): {64: tuned}})
+    h100 = Gpu("NVIDIA H100 80GB HBM3", "sm_90", 132)
+    with caplog.at_level("WARNING", logger=configs.log.name):
+        assert configs.lookup(h100, key, 64) == tuned
+    assert "NVIDIA H100 80GB HBM3: using NVIDIA H200's (sm_90, 132 SMs alike)" in caplog.text
+    for stranger in (Gpu("NVIDIA H100 PCIe", "sm_90", 114), Gpu("NVIDIA A100", "sm_80", 132)):
+        assert configs.lookup(stranger, key, 64) == configs.fallback_config(key, 64, stranger.sms)
+    configs.write_configs(h100, {key.text(): {64: own}})
+    assert configs.lookup(h100, key, 64) == own
+
+
+def test_the_committed_files_name_their_architecture_and_sm_count() -> None:
+    """Every committed file can serve its siblings: it records arch and sms as `gpu_of` makes
+    them."""
+    files = sorted(configs.CONFIG_DIR.glob("moe_lora_*.json"))
+    assert files
+    for path in files:
+        raw = json.loads(path.read_text())
+        assert raw["arch"].startswith("sm_") and raw["sms"] > 0, path.name
