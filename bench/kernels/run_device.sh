@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call after the vLLM pieces are in place (../shared/gpu/README.md), from the repo root:
 #   bash bench/kernels/run_device.sh COMMIT [tests] [prefill] [moe]
-# tests: the GPU tests under tests/kernels on 8 pytest-xdist workers (carry .whl: pytest and
-# pytest-xdist, installed into /tmp/site once per machine; pip's --target would replace
-# /tmp/site's folders of the same name, so never again over vLLM's set-up); prefill:
+# tests: the GPU tests under tests/kernels on 8 pytest-xdist workers (carry .whl: pytest,
+# pytest-xdist and pytest-reportlog, installed into /tmp/site once per machine; pip's --target
+# would replace /tmp/site's folders of the same name, so never again over vLLM's set-up); prefill:
 # bench_lora_prefill (align and dense LoRA at prefill sizes, ours against vLLM's); moe:
 # bench_moe_lora tuning our op on vLLM's own inputs (--tune writes
 # kernels/configs/moe_lora_<gpu>.json; MOE_BATCHES limits the batches) and timing both ops.
@@ -13,7 +13,7 @@ commit=$1
 shift
 parts=${*:-tests prefill moe}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [ ! -d /tmp/site/xdist ]; then
+if [ ! -d /tmp/site/pytest_reportlog ]; then
   compgen -G ".whl/*.whl" >/dev/null || { echo "no wheels: carry .whl" >&2; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl
@@ -21,9 +21,20 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 for part in $parts; do
   case "$part" in
-    tests)  # serially the MoE file alone took ~260 s on the H200 at 106 tests; 8 workers untimed
-      timeout "${TESTS_LIMIT_S:-420}" python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu \
-        -n 8 tests/kernels 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -6 ;;
+    tests)
+      # Serially the MoE file alone took ~260 s on the H200 at 106 tests. On the H100 machine (16
+      # cores) at 8924aae, 8 workers ran 78 of 446 tests in 240 s: each worker's torch took every
+      # core for the float64 references on the CPU (suspected, not measured), so the workers now
+      # share the cores. The report log keeps every test's time as it ends, also when the run is
+      # cut; TESTS_SELECT narrows the run (paths, -k).
+      workers=${TESTS_WORKERS:-8}
+      threads=$(($(nproc) / workers))
+      # shellcheck disable=SC2086  # TESTS_SELECT is a list of pytest arguments
+      OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) timeout "${TESTS_LIMIT_S:-420}" \
+        python3 -m pytest -q --noconftest -p no:cacheprovider -p no:benchmark -m gpu \
+        -n "$workers" --report-log "$OUT/gpu_tests.jsonl" ${TESTS_SELECT:-tests/kernels} 2>&1 \
+        | tee -a "$OUT/gpu_tests.log" | tail -6
+      python3 -m bench.kernels.test_times "$OUT/gpu_tests.jsonl" | tee -a "$OUT/gpu_tests.log" ;;
     prefill)
       timeout 300 python3 bench/kernels/bench_lora_prefill.py --commit "$commit" --out "$OUT" 2>&1 \
         | tee "$OUT/bench_prefill.log" ;;
