@@ -3,7 +3,7 @@
 Files live in `kernels/configs/moe_lora_<gpu slug>.json` and are written by
 `python -m bench.kernels.tune_moe_lora`. Layout:
 
-    {"gpu": "NVIDIA H100 80GB HBM3",
+    {"gpu": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "sms": 132,
      "shapes": {"<shape key>": {"<num pairs>": {"variant": "split", "block_k": 128, ...}}}}
 
 A lookup takes the entry of the nearest tuned pair count (in log scale) for the shape, or for a
@@ -165,8 +165,17 @@ def _parse(raw: dict[str, Any]) -> dict[str, dict[int, MoeLoraConfig]]:
     }
 
 
+# The naive form's fallback takes the GEMV expand up to this many pairs and the GEMV shrink up
+# to the second bound: on the H200 every tuned naive entry of 4 to 256 pairs chose the GEMV
+# expand (Qwen3 and GPT-OSS, gate/up and down), and every one of up to 16 pairs the GEMV shrink
+# (some up to 128); the tl.dot expand the fallback gave before took 45.7 us a layer for GPT-OSS's
+# gate/up at 16 decode tokens there, about 7 tuned.
+GEMV_EXPAND_PAIRS, GEMV_SHRINK_PAIRS = 256, 16
+
+
 def fallback_config(key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConfig:
-    """Split K while pairs x slices leave most SMs idle (decode), else one fused launch."""
+    """Split K while pairs x slices leave most SMs idle (decode), else one fused launch; in the
+    naive form at decode sizes, on CUDA cores (the GEMV kernels) as every tuned entry there."""
     block_k = 128 if key.k >= 256 else 64
     programs = max(num_pairs * key.slices, 1)
     if programs >= 2 * sm_count or (key.sorted_form and num_pairs >= 1024):
@@ -175,7 +184,15 @@ def fallback_config(key: ShapeKey, num_pairs: int, sm_count: int) -> MoeLoraConf
     split = 1
     while split < max_split and programs * split < 4 * sm_count:
         split *= 2
-    return MoeLoraConfig("split", block_k=block_k, block_n=64, split_k=split)
+    gemv_expand = not key.sorted_form and num_pairs <= GEMV_EXPAND_PAIRS
+    return MoeLoraConfig(
+        "split",
+        block_k=block_k,
+        block_n=256 if gemv_expand else 64,
+        split_k=split,
+        gemv_shrink=not key.sorted_form and num_pairs <= GEMV_SHRINK_PAIRS,
+        gemv_expand=gemv_expand,
+    )
 
 
 # A config tuned at one sorted block serves blocks up to this factor away. H200, the fused configs

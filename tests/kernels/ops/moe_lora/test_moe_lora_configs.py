@@ -3,6 +3,7 @@ takes the nearest entry that serves the call; launch shapes it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -160,3 +161,24 @@ def test_the_committed_files_name_their_architecture_and_sm_count() -> None:
     for path in files:
         raw = json.loads(path.read_text())
         assert raw["arch"].startswith("sm_") and raw["sms"] > 0, path.name
+
+
+def test_the_fallback_runs_decode_on_the_gemv_kernels_as_the_tuned_entries_do() -> None:
+    """A GPU with no file of its own or a sibling's: the naive form at decode sizes gets the split
+    variant's GEMV expand, and its GEMV shrink up to 16 pairs, as every H200 entry there chose;
+    the sorted form keeps tl.dot tiles; many programs get one fused launch."""
+    gate_up_3d = ShapeKey(2880, 5760, 1, 32, 32, 4, False, "torch.bfloat16")
+    at_16_tokens = configs.fallback_config(gate_up_3d, 64, 108)
+    assert (at_16_tokens.variant, at_16_tokens.gemv_shrink, at_16_tokens.gemv_expand) == (
+        "split", False, True,
+    )  # fmt: skip
+    one_token = configs.fallback_config(gate_up_3d, 4, 108)
+    assert one_token.gemv_shrink and one_token.gemv_expand
+    sorted_form = configs.fallback_config(
+        dataclasses.replace(gate_up_3d, sorted_form=True), 64, 108
+    )
+    assert (sorted_form.variant, sorted_form.gemv_shrink, sorted_form.gemv_expand) == (
+        "split", False, False,
+    )  # fmt: skip
+    assert configs.fallback_config(gate_up_3d, 512, 108).variant == "fused"
+    assert configs.lookup(Gpu("NVIDIA A100", "sm_80", 108), gate_up_3d, 64) == at_16_tokens
