@@ -23,10 +23,11 @@ for part in $parts; do
   case "$part" in
     tests)
       # Serially the MoE file alone took ~260 s on the H200 at 106 tests. On the H100 machine (16
-      # cores) at 8924aae, 8 workers ran 78 of 446 tests in 240 s: each worker's torch took every
-      # core for the float64 references on the CPU (suspected, not measured), so the workers now
-      # share the cores. The report log keeps every test's time as it ends, also when the run is
-      # cut; TESTS_SELECT narrows the run (paths, -k).
+      # cores) at 8924aae, 8 workers ran 78 of 446 tests in 240 s. Suspected: each worker's torch
+      # took every core for the float64 references on the CPU (the largest case's reference:
+      # 0.4-0.6 s on one thread, 0.6-1.1 s on two beside a busy core, on the 2-core dev VM), so
+      # the workers now share the cores. The report log keeps every test's time as it ends, also
+      # when the run is cut; TESTS_SELECT narrows the run (paths, -k).
       workers=${TESTS_WORKERS:-8}
       threads=$(($(nproc) / workers))
       # shellcheck disable=SC2086  # TESTS_SELECT is a list of pytest arguments
