@@ -7,7 +7,7 @@
           | check-stock-graphs | check-base | check-base-graphs | compare
           | poison-stock | poison-plugin | poison-stock-graphs | poison-plugin-graphs
           | poison-compare   (run_device.sh poison runs the four: poison_check.py)
-    bench/e2e/run_session.sh runs issue 43's set in parts, two GPUs side by side.
+    bench/e2e/run_session.sh runs issue 43's set in parts, two GPUs side by side or one lane on one.
 
 base/stock/plugin: the workload of issue 6 on a model shape with dummy weights (`--model`,
 bench/e2e/shapes.py: Qwen3-30B-A3B, 48 layers, 128 experts top-8; GPT-OSS-20B, 24 layers, 32

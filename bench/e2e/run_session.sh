@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 43's measurements in one GPU session, one device call per PART, each under 600 s: on the
 # 2-GPU kind GPU 0 and GPU 1 run their lists side by side; on a 1-GPU kind, LANE (0 or 1) names
-# the list to run on its one GPU. vLLM's pieces p1-p3 must be in
+# the list to run on its one GPU. With LANE, the part's work folder is kept between calls on one
+# machine, so a second lane's call compares and collects both lanes' runs (its file holds both:
+# commit that one); e needs two GPUs, and c with LANE leaves out its TP=2 tail. vLLM's pieces p1-p3 must be in
 # /tmp/vchunks (../shared/gpu/README.md); carry .gpu/p4 in the first part's call, which joins
 # them into /tmp/site (its ~30 s count in the part's budget), and .gpu/p6 in d and f's (the
 # server's wheels). From the repository root:
@@ -31,11 +33,19 @@ set -uo pipefail
 commit=$1
 part=$2
 only_lane=${3:-}
+case "$only_lane" in
+  "" | 0 | 1) ;;
+  *) echo "LANE must be 0 or 1, got $only_lane" >&2; exit 2 ;;
+esac
+if [ -n "$only_lane" ] && [ "$part" = e ]; then
+  echo "part e runs at TP=2: it needs two GPUs, not a LANE" >&2
+  exit 2
+fi
 site=${SITE:-/tmp/site}
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 BUDGET_S=${BUDGET_S:-570}
 work=${WORK:-/tmp/e2e_session}/$part
-rm -rf "$work"
+[ -z "$only_lane" ] && rm -rf "$work"
 mkdir -p "$work" "$OUT"
 report="$OUT/e2e_session_$part.log"
 t0=$SECONDS
@@ -131,10 +141,12 @@ case "$part" in
       bench check-base-graphs-ngram 150 check-base-graphs --spec ngram
     }
     lanes
-    export CUDA_VISIBLE_DEVICES=0,1
-    bench check-stock-tp2 150 check-stock --tp 2
-    bench check-plugin-graphs-tp2 180 check-plugin-graphs --tp 2
-    bench check-base-graphs-tp2 150 check-base-graphs --tp 2 ;;
+    if [ -z "$only_lane" ]; then
+      export CUDA_VISIBLE_DEVICES=0,1
+      bench check-stock-tp2 150 check-stock --tp 2
+      bench check-plugin-graphs-tp2 180 check-plugin-graphs --tp 2
+      bench check-base-graphs-tp2 150 check-base-graphs --tp 2
+    fi ;;
   d | f)
     server_wheels "$site"
     model=("${qwen[@]}")

@@ -26,15 +26,20 @@ for part in $parts; do
       # cores) at 8924aae, 8 workers ran 78 of 446 tests in 240 s. Suspected: each worker's torch
       # took every core for the float64 references on the CPU (the largest case's reference:
       # 0.4-0.6 s on one thread, 0.6-1.1 s on two beside a busy core, on the 2-core dev VM), so
-      # the workers now share the cores. The report log keeps every test's time as it ends, also
-      # when the run is cut; TESTS_SELECT narrows the run (paths, -k).
+      # the workers now share the cores (nproc without OMP_NUM_THREADS, which GNU nproc obeys).
+      # The report log keeps every test's time as it ends, also when the run is cut;
+      # TESTS_PATHS narrows the files, TESTS_K selects by pytest's -k.
       workers=${TESTS_WORKERS:-8}
-      threads=$(($(nproc) / workers))
-      # shellcheck disable=SC2086  # TESTS_SELECT is a list of pytest arguments
+      if ! [[ $workers =~ ^[1-9][0-9]*$ ]]; then
+        echo "TESTS_WORKERS must be a count >= 1, got $workers" >&2
+        exit 2
+      fi
+      threads=$(($(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / workers))
+      # shellcheck disable=SC2086  # TESTS_PATHS is a list of paths
       OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) timeout "${TESTS_LIMIT_S:-420}" \
         python3 -m pytest -q --noconftest -p no:cacheprovider -p no:benchmark -m gpu \
-        -n "$workers" --report-log "$OUT/gpu_tests.jsonl" ${TESTS_SELECT:-tests/kernels} 2>&1 \
-        | tee -a "$OUT/gpu_tests.log" | tail -6
+        -n "$workers" --report-log "$OUT/gpu_tests.jsonl" ${TESTS_K:+-k "$TESTS_K"} \
+        ${TESTS_PATHS:-tests/kernels} 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -6
       python3 -m bench.kernels.test_times "$OUT/gpu_tests.jsonl" | tee -a "$OUT/gpu_tests.log" ;;
     prefill)
       timeout 300 python3 bench/kernels/bench_lora_prefill.py --commit "$commit" --out "$OUT" 2>&1 \

@@ -15,11 +15,15 @@ from pathlib import Path
 
 def summarize(lines: list[str], top: int) -> list[str]:
     """Outcome counts per test (a test fails if any phase failed) and the `top` slowest tests,
-    their setup, call and teardown summed."""
+    their setup, call and teardown summed. A line that is not JSON (the last one of a run cut
+    while writing it) is skipped."""
     seconds: dict[str, float] = defaultdict(float)
     outcome: dict[str, str] = {}
     for line in lines:
-        report = json.loads(line)
+        try:
+            report = json.loads(line)
+        except json.JSONDecodeError:
+            continue
         if report.get("$report_type") != "TestReport":
             continue
         test = report["nodeid"]

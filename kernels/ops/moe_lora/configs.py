@@ -140,22 +140,22 @@ def gpu_slug(gpu_name: str) -> str:
 
 @lru_cache(maxsize=16)
 def _table(gpu: Gpu) -> dict[str, dict[int, MoeLoraConfig]]:
-    """The GPU's own tuned file, else the first (by name) of a GPU with the same architecture and
-    SM count, else none. The H100 SXM has no file of its own and shares the H200's sm_90 and 132
-    SMs; on the fallback instead, GPT-OSS's plugin decode ran at 0.737 of base on an H100
-    (8924aae, docs/kernels.md), where the H200 with its file gave 0.790."""
-    own = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu.name)}.json"
-    if own.is_file():
-        return _parse(json.loads(own.read_text()))
+    """The GPU's own tuned shapes, over those of the first file (by name) of another GPU with the
+    same architecture and SM count: a shape the GPU's own file lacks (a partial tune) keeps the
+    sibling's entries rather than the fallback. The H100 SXM has no file of its own and shares
+    the H200's sm_90 and 132 SMs; on the fallback instead, GPT-OSS's plugin decode ran at 0.737
+    of base on an H100 (8924aae, docs/kernels.md), where the H200 with its file gave 0.790."""
+    own_path = CONFIG_DIR / f"moe_lora_{gpu_slug(gpu.name)}.json"
+    own = _parse(json.loads(own_path.read_text())) if own_path.is_file() else {}
     for path in sorted(CONFIG_DIR.glob("moe_lora_*.json")):
         raw = json.loads(path.read_text())
-        if raw.get("arch") == gpu.arch and raw.get("sms") == gpu.sms:
+        if path != own_path and raw.get("arch") == gpu.arch and raw.get("sms") == gpu.sms:
             log.warning(
-                "no tuned MoE-LoRA configs for %s: using %s's (%s, %d SMs alike)",
+                "MoE-LoRA configs for %s: %s's (%s, %d SMs alike) where it has none of its own",
                 gpu.name, raw["gpu"], gpu.arch, gpu.sms,
             )  # fmt: skip
-            return _parse(raw)
-    return {}
+            return _parse(raw) | own
+    return own
 
 
 def _parse(raw: dict[str, Any]) -> dict[str, dict[int, MoeLoraConfig]]:
@@ -165,8 +165,9 @@ def _parse(raw: dict[str, Any]) -> dict[str, dict[int, MoeLoraConfig]]:
     }
 
 
-# The naive form's fallback takes the GEMV expand up to this many pairs and the GEMV shrink up
-# to the second bound: on the H200 every tuned naive entry of 4 to 256 pairs chose the GEMV
+# The naive form's fallback takes the GEMV expand up to this many pairs (unless pairs x slices
+# already call for the fused launch) and the GEMV shrink up to the second bound: on the H200
+# every tuned naive entry of 4 to 256 pairs chose the GEMV
 # expand (Qwen3 and GPT-OSS, gate/up and down), and every one of up to 16 pairs the GEMV shrink
 # (some up to 128); the tl.dot expand the fallback gave before took 45.7 us a layer for GPT-OSS's
 # gate/up at 16 decode tokens there, about 7 tuned.

@@ -14,7 +14,7 @@ def _report(test: str, when: str, outcome: str, duration: float) -> str:
     )  # fmt: skip
 
 
-def test_counts_outcomes_sums_phases_and_names_failures() -> None:
+def test_counts_outcomes_sums_phases_names_failures_and_skips_a_cut_line() -> None:
     lines = [
         json.dumps({"$report_type": "SessionStart", "pytest_version": "9.2.0"}),
         _report("t.py::slow", "setup", "passed", 1.0),
@@ -26,6 +26,8 @@ def test_counts_outcomes_sums_phases_and_names_failures() -> None:
         _report("t.py::broken_teardown", "call", "passed", 0.2),
         _report("t.py::broken_teardown", "teardown", "failed", 0.1),
         _report("t.py::skipped", "setup", "skipped", 0.0),
+        "",
+        '{"$report_type": "TestReport", "nodeid": "t.py::cut", "wh',
     ]
     out = summarize(lines, top=2)
     assert out[0] == "2 failed, 1 passed, 1 skipped"

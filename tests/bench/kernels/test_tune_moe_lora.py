@@ -12,7 +12,7 @@ from bench.kernels.moe_lora_workload import SHAPES, CallSpec
 from bench.kernels.tune_moe_lora import candidates, fuses_activation, shape_key
 from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora import op
-from loraplex.kernels.ops.moe_lora.configs import ShapeKey
+from loraplex.kernels.ops.moe_lora.configs import Gpu, ShapeKey
 
 
 def test_gemv_shrink_is_a_candidate_of_the_naive_form_only() -> None:
@@ -84,7 +84,7 @@ def test_gate_up_is_tuned_under_the_key_the_op_looks_up_for_vllms_call(
     assert tuned == expected
     keys: list[ShapeKey] = []
 
-    def lookup(gpu: str, key: ShapeKey, *args: Any) -> None:
+    def lookup(gpu: Gpu, key: ShapeKey, *args: Any) -> None:
         keys.append(key)
         raise _LookedUp
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,15 @@ from loraplex.kernels.ops.moe_lora.configs import Gpu, MoeLoraConfig, ShapeKey
 
 TEST_GPU = Gpu("Test GPU", "sm_90", 132)
 H200 = Gpu("NVIDIA H200", "sm_90", 132)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tables() -> Iterator[None]:
+    """Each test reads the files it wrote: no table cached by another test (or another
+    CONFIG_DIR) stays behind, before or after."""
+    configs._table.cache_clear()
+    yield
+    configs._table.cache_clear()
 
 
 def test_partial_tuning_keeps_other_pair_counts(
@@ -136,21 +146,24 @@ def test_a_gpu_without_a_file_borrows_one_of_its_architecture_and_sm_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An H100 SXM (no file) is served the H200's entries, sm_90 and 132 SMs alike, and the log
-    says whose; an H100 PCIe (114 SMs) and an sm_80 GPU of 132 SMs get the fallback; a GPU with
-    its own file keeps it."""
+    says whose; an H100 PCIe (114 SMs) and an sm_80 GPU of 132 SMs get the fallback. Once the
+    H100 has a file of its own, its shapes win and a shape it lacks keeps the H200's."""
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     key = ShapeKey(2048, 768, 2, 32, 128, 8, False, "torch.bfloat16")
+    down = ShapeKey(768, 2048, 1, 32, 128, 8, False, "torch.bfloat16")
     tuned = MoeLoraConfig("split", 128, 256, split_k=8, gemv_expand=True)
     own = MoeLoraConfig("split", 64, 128, split_k=4)
-    configs.write_configs(H200, {key.text(): {64: tuned}})
+    configs.write_configs(H200, {key.text(): {64: tuned}, down.text(): {64: tuned}})
     h100 = Gpu("NVIDIA H100 80GB HBM3", "sm_90", 132)
     with caplog.at_level("WARNING", logger=configs.log.name):
         assert configs.lookup(h100, key, 64) == tuned
-    assert "NVIDIA H100 80GB HBM3: using NVIDIA H200's (sm_90, 132 SMs alike)" in caplog.text
+    assert "for NVIDIA H100 80GB HBM3: NVIDIA H200's (sm_90, 132 SMs alike)" in caplog.text
     for stranger in (Gpu("NVIDIA H100 PCIe", "sm_90", 114), Gpu("NVIDIA A100", "sm_80", 132)):
         assert configs.lookup(stranger, key, 64) == configs.fallback_config(key, 64, stranger.sms)
     configs.write_configs(h100, {key.text(): {64: own}})
     assert configs.lookup(h100, key, 64) == own
+    assert configs.lookup(h100, down, 64) == tuned
+    assert configs.lookup(H200, key, 64) == tuned
 
 
 def test_the_committed_files_name_their_architecture_and_sm_count() -> None:
