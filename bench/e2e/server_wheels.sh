@@ -7,7 +7,7 @@ server_wheels() {
     botocore:botocore s3transfer:s3transfer jmespath:jmespath rich:rich \
     markdown_it:markdown_it_py mdurl:mdurl httpx:httpx httpcore:httpcore h11:h11 anyio:anyio \
     dateutil:python_dateutil six:six urllib3:urllib3 yaml:pyyaml safetensors:safetensors \
-    prometheus_client:prometheus_client; do
+    prometheus_client:prometheus_client redis:redis httptools:httptools; do
     python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
       --no-deps --target "$site" .gpu/p6/"${pair#*:}"-*.whl
   done
