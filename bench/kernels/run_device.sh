@@ -22,11 +22,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 for part in $parts; do
   case "$part" in
     tests)
-      # Serially the MoE file alone took ~260 s on the H200 at 106 tests. On the H100 machine (16
-      # cores) at 8924aae, 8 workers ran 78 of 446 tests in 240 s. Suspected: each worker's torch
-      # took every core for the float64 references on the CPU (the largest case's reference:
-      # 0.4-0.6 s on one thread, 0.6-1.1 s on two beside a busy core, on the 2-core dev VM), so
-      # the workers now share the cores (nproc without OMP_NUM_THREADS, which GNU nproc obeys).
+      # The workers share the machine's cores (nproc without OMP_NUM_THREADS, which GNU nproc
+      # obeys): on the H100 machine (16 cores) 8 workers whose torch each took every core for
+      # the float64 references on the CPU ran 78 of 446 tests in 240 s (8924aae); with 2 threads
+      # each, all 446 passed in 141 s (44d1aa1).
       # The report log keeps every test's time as it ends, also when the run is cut;
       # TESTS_PATHS narrows the files, TESTS_K selects by pytest's -k.
       workers=${TESTS_WORKERS:-8}
