@@ -6,7 +6,9 @@
 # commit that one); e needs two GPUs, and c with LANE leaves out its TP=2 tail. vLLM's pieces p1-p3 must be in
 # /tmp/vchunks (../shared/gpu/README.md); carry .gpu/p4 in the first part's call, which joins
 # them into /tmp/site (its ~30 s count in the part's budget), and .gpu/p6 in d and f's (the
-# server's wheels). From the repository root:
+# server's wheels; p4 and p6 together pass the 64 MiB a call carries, so before a first part d
+# or f, set vLLM up in a call of its own: bash .gpu/p4/setup-on-device.sh). From the repository
+# root:
 #   bash bench/e2e/run_session.sh COMMIT PART [LANE]
 # PART, most important first (seconds: estimates on a cold H200 machine, docs/bench.md):
 #   a  decode, Qwen3 shape base + plugin (3 reps) | GPT-OSS shape base + plugin (3 reps)
