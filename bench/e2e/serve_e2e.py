@@ -222,6 +222,7 @@ def main() -> None:
     meta = {**stamp(), "gpu": gpu, "commit": ns.commit, "model": ns.model,
             "layers": cfg["num_hidden_layers"]}  # fmt: skip
     rows: list[dict[str, Any]] = []
+    rows_file = ns.out / f"e2e_serve_{'_'.join(ns.modes)}-{ns.model}.jsonl"
     for mode in ns.modes:
         start = time.time()
         server = start_server(mode, model, adapters, ns)
@@ -235,8 +236,8 @@ def main() -> None:
             row.update(meta | started)
             print("ROW", json.dumps(row), flush=True)
         rows += mode_rows
-    name = f"e2e_serve_{'_'.join(ns.modes)}-{ns.model}.jsonl"
-    (ns.out / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        # After each server, so that a run cut by its time limit keeps the servers it finished.
+        rows_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 if __name__ == "__main__":
