@@ -21,6 +21,18 @@ from tests.support.hub_cache import cache_repo
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def serve_default_step_budget(model_dir: Path) -> int:
+    """The step's token budget `vllm serve` takes on this machine when none is set."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    budgets, _ = AsyncEngineArgs(model=str(model_dir)).get_batch_defaults(world_size=1)
+    return budgets.get(
+        UsageContext.OPENAI_API_SERVER, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
+
+
 def test_a_hub_model_with_vllm_args_reaches_the_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -50,6 +62,9 @@ def test_a_hub_model_with_vllm_args_reaches_the_engine(
     assert config.cache_config.enable_prefix_caching is True  # type: ignore[attr-defined]
     assert config.cache_config.cache_dtype == "fp8"  # type: ignore[attr-defined]
     assert config.scheduler_config.max_num_seqs == 8  # type: ignore[attr-defined]
+    # The unset step budget is `vllm serve`'s default on this machine.
+    budget = config.scheduler_config.max_num_batched_tokens  # type: ignore[attr-defined]
+    assert budget == serve_default_step_budget(served.model_dir)
     assert config.lora_config.max_loras == settings.engine.max_loras  # type: ignore[attr-defined]
     assert config.model_config.served_model_name == HUB_ID  # type: ignore[attr-defined]
     assert tokens == 4
