@@ -97,9 +97,10 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(
         None,
         ge=16,
-        description="Token budget of one engine step; unset, `vllm serve`'s default for the "
-        "machine (8192 on an H100 or H200, 2048 on a CPU). Waiting prefills that do not fit go "
-        "in tenancy priority order; a small budget prefills long prompts in more chunks.",
+        description="Token budget of one engine step; unset, what `vllm serve` takes on the "
+        "machine (vLLM's get_batch_defaults: 8192 on an H100 or H200, 2048 on a CPU). Waiting "
+        "prefills that do not fit go in tenancy priority order; a small budget prefills long "
+        "prompts in more chunks.",
     )
     paced_prefill_tokens: int | None = Field(
         16,
