@@ -20,17 +20,15 @@ from tests.support.hub_cache import cache_repo
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+# A step budget vLLM's defaults give `vllm serve` alone, in place of its per-machine table (on a
+# CPU it gives vllm serve and AsyncLLM's default context the same 2048).
+SERVE_ONLY_BUDGET = 4096
 
-def serve_default_step_budget(model_dir: Path) -> int:
-    """The step's token budget `vllm serve` takes on this machine when none is set."""
-    from vllm.config import SchedulerConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
+
+def serve_only_batch_defaults(_args: object, world_size: int) -> tuple[dict, dict]:
     from vllm.usage.usage_lib import UsageContext
 
-    budgets, _ = AsyncEngineArgs(model=str(model_dir)).get_batch_defaults(world_size=1)
-    return budgets.get(
-        UsageContext.OPENAI_API_SERVER, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
-    )
+    return {UsageContext.OPENAI_API_SERVER: SERVE_ONLY_BUDGET * world_size}, {}
 
 
 def test_a_hub_model_with_vllm_args_reaches_the_engine(
@@ -40,6 +38,9 @@ def test_a_hub_model_with_vllm_args_reaches_the_engine(
     # huggingface_hub reads these when imported, which this process did long ago.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(EngineArgs, "get_batch_defaults", classmethod(serve_only_batch_defaults))
     settings = load_settings(
         engine={"model": HUB_ID, "vllm_args": {"enable_prefix_caching": True, "max-num-seqs": 8,
                                                "kv_cache_dtype": "fp8"}}
@@ -62,9 +63,8 @@ def test_a_hub_model_with_vllm_args_reaches_the_engine(
     assert config.cache_config.enable_prefix_caching is True  # type: ignore[attr-defined]
     assert config.cache_config.cache_dtype == "fp8"  # type: ignore[attr-defined]
     assert config.scheduler_config.max_num_seqs == 8  # type: ignore[attr-defined]
-    # The unset step budget is `vllm serve`'s default on this machine.
-    budget = config.scheduler_config.max_num_batched_tokens  # type: ignore[attr-defined]
-    assert budget == serve_default_step_budget(served.model_dir)
+    # The unset step budget is the one vLLM's defaults give `vllm serve`.
+    assert config.scheduler_config.max_num_batched_tokens == SERVE_ONLY_BUDGET  # type: ignore[attr-defined]
     assert config.lora_config.max_loras == settings.engine.max_loras  # type: ignore[attr-defined]
     assert config.model_config.served_model_name == HUB_ID  # type: ignore[attr-defined]
     assert tokens == 4
