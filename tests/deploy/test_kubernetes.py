@@ -403,12 +403,46 @@ def test_containers_run_unprivileged_on_a_read_only_root(overlay: str, tmp_path:
     pod = server_deployment(objects)["spec"]["template"]["spec"]
     assert str(pod["securityContext"]["runAsUser"]) == dockerfile_user(image_dockerfile(container))
     # Where the server writes: cache_dir, HOME (caches of vLLM, torch, Triton), the Hugging Face
-    # cache, vLLM's compile cache and /tmp, each on a writable volume.
+    # cache, the compile caches and /tmp, each on a writable volume.
     settings, env, _ = overlay_settings(overlay, tmp_path)
     writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
-    paths = (settings.cache_dir, env["HOME"], env["HF_HOME"], env["VLLM_CACHE_ROOT"], "/tmp")
+    paths = (settings.cache_dir, env["HOME"], env["HF_HOME"], *(env[n] for n in COMPILE_CACHES),
+             "/tmp")  # fmt: skip
     for path in map(str, paths):
         assert any(path == w or path.startswith(w + "/") for w in writable), path
+
+
+COMPILE_CACHES = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _volume_at(pod: Obj, container: Obj, path: str) -> Obj:
+    """The pod's volume whose mount in `container` holds `path` (the deepest mount wins)."""
+    mounts = [
+        m for m in container["volumeMounts"]
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]  # fmt: skip
+    assert mounts, f"{path} is on no volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    assert not mount.get("readOnly"), f"{path} is on a read-only mount"
+    return next(v for v in pod["volumes"] if v["name"] == mount["name"])
+
+
+@pytest.mark.parametrize("overlay", ALL)
+def test_compile_caches_outlive_the_pod(overlay: str, tmp_path: Path) -> None:
+    """vLLM's compiled graphs and the Triton and Inductor kernels lie on a claim that outlives
+    the pod (not on an emptyDir or a claim made and deleted with it), so a restarted or new
+    replica loads them instead of compiling; on a fleet of several replicas that claim is
+    one they all mount (ReadWriteMany), so a rollout's new pods start warm."""
+    objects = render(overlay)
+    container = server_container(objects)
+    pod = server_deployment(objects)["spec"]["template"]["spec"]
+    _, env, _ = overlay_settings(overlay, tmp_path)
+    for name in COMPILE_CACHES:
+        volume = _volume_at(pod, container, env[name])
+        assert "persistentVolumeClaim" in volume and not volume.get("ephemeral"), (name, volume)
+        claim = one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        if _max_replicas(objects) > 1:
+            assert claim["spec"]["accessModes"] == ["ReadWriteMany"], (name, claim)
 
 
 def _startup_budget_s(container: Obj) -> int:
