@@ -20,10 +20,15 @@ RUN python3 -m pip install --no-cache-dir /opt/loraplex \
 
 USER 10001
 # cache_dir holds the adapter disk cache and, without LORAPLEX_REGISTRY__STORE, the durable
-# catalog of adapters and tenants: on a volume, it outlives the container.
+# catalog of adapters and tenants: on a volume, it outlives the container. So do the compile
+# caches beside it (vLLM's graphs, Triton's and Inductor's kernels), which a container started on
+# the same volume loads instead of compiling (deploy/kubernetes/README.md, "Compile caches").
 ENV LORAPLEX_HTTP__HOST=0.0.0.0 \
     LORAPLEX_HTTP__PORT=8000 \
-    LORAPLEX_CACHE_DIR=/var/lib/loraplex
+    LORAPLEX_CACHE_DIR=/var/lib/loraplex \
+    VLLM_CACHE_ROOT=/var/lib/loraplex/vllm \
+    TRITON_CACHE_DIR=/var/lib/loraplex/triton \
+    TORCHINDUCTOR_CACHE_DIR=/var/lib/loraplex/inductor
 VOLUME ["/var/lib/loraplex"]
 EXPOSE 8000
 

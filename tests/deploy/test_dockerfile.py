@@ -56,3 +56,14 @@ def test_base_image_and_gpu_extra_are_the_release_the_kernel_plugin_supports() -
     # The extra admits nothing the plugin refuses: its range ends where the next release starts.
     assert all(v.startswith(lowest) for v in SUPPORTED_VLLM)
     assert version(lowest) < version(below) and not below.startswith(SUPPORTED_VLLM)
+
+
+def test_gpu_image_keeps_its_compile_caches_on_its_volume() -> None:
+    """vLLM's, Triton's and Inductor's caches lie under the image's VOLUME, so a container
+    started again on the same volume skips the compiles of the last one's engine start."""
+    text = (REPO / "Dockerfile").read_text()
+    volumes = re.findall(r'^VOLUME \["([^"]+)"\]', text, re.M)
+    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        found = re.search(rf"\b{name}=(\S+)", text)
+        assert found, f"the Dockerfile sets no {name}"
+        assert any(found.group(1).startswith(v.rstrip("/") + "/") for v in volumes), found.group(1)
