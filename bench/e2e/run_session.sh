@@ -16,6 +16,7 @@
 #      an engine started without LoRA (base untouched); then decode, stock on both shapes
 #   c  n-gram speculative decoding with and without the plugin (graphs); then TP=2 check
 #   d  through the server, Qwen3 shape: loraplex + plugin | vLLM's own server, base and stock
+#      (VLLM_SERVERS, "vllm-base vllm-stock" by default, names lane 1's servers and their order)
 #   e  decode at TP=2, Qwen3 shape, base + plugin (2 reps)
 #   f  through the server, GPT-OSS shape (as d)
 #   g  decode anatomy: the plugin with a decode-step profile, GPT-OSS shape on GPU 0, then
@@ -157,7 +158,9 @@ case "$part" in
       serve serve-plugin --modes plugin "${model[@]}" --root /tmp/e2e_serve0
     }
     lane1() {
-      serve serve-vllm --modes vllm-base vllm-stock "${model[@]}" --root /tmp/e2e_serve1
+      # shellcheck disable=SC2086 # VLLM_SERVERS is a list of modes
+      serve serve-vllm --modes ${VLLM_SERVERS:-vllm-base vllm-stock} "${model[@]}" \
+        --root /tmp/e2e_serve1
     }
     lanes ;;
   e)
