@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.kernels.vllm.plugin import SUPPORTED_VLLM
+from tests.deploy.manifests import dockerfile_env
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = (REPO / "Dockerfile", REPO / "deploy" / "compose" / "cpu.Dockerfile")
@@ -61,9 +62,9 @@ def test_base_image_and_gpu_extra_are_the_release_the_kernel_plugin_supports() -
 def test_gpu_image_keeps_its_compile_caches_on_its_volume() -> None:
     """vLLM's, Triton's and Inductor's caches lie under the image's VOLUME, so a container
     started again on the same volume skips the compiles of the last one's engine start."""
-    text = (REPO / "Dockerfile").read_text()
-    volumes = re.findall(r'^VOLUME \["([^"]+)"\]', text, re.M)
+    dockerfile = REPO / "Dockerfile"
+    volumes = re.findall(r'^VOLUME \["([^"]+)"\]', dockerfile.read_text(), re.M)
+    env = dockerfile_env(dockerfile)
     for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
-        found = re.search(rf"\b{name}=(\S+)", text)
-        assert found, f"the Dockerfile sets no {name}"
-        assert any(found.group(1).startswith(v.rstrip("/") + "/") for v in volumes), found.group(1)
+        assert name in env, f"the Dockerfile sets no {name}"
+        assert any(env[name].startswith(v.rstrip("/") + "/") for v in volumes), env[name]

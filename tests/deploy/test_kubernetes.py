@@ -427,22 +427,49 @@ def _volume_at(pod: Obj, container: Obj, path: str) -> Obj:
     return next(v for v in pod["volumes"] if v["name"] == mount["name"])
 
 
-@pytest.mark.parametrize("overlay", ALL)
-def test_compile_caches_outlive_the_pod(overlay: str, tmp_path: Path) -> None:
-    """vLLM's compiled graphs and the Triton and Inductor kernels lie on a claim that outlives
-    the pod (not on an emptyDir or a claim made and deleted with it), so a restarted or new
-    replica loads them instead of compiling; on a fleet of several replicas that claim is
-    one they all mount (ReadWriteMany), so a rollout's new pods start warm."""
+def _claim_of(objects: tuple[Obj, ...], volume: Obj) -> Obj | None:
+    """The PersistentVolumeClaim a pod volume names, None for any other volume (an emptyDir,
+    an ephemeral claim made and deleted with the pod)."""
+    if not volume.get("persistentVolumeClaim"):
+        return None
+    return one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+
+
+def _compile_cache_volumes(overlay: str, tmp_path: Path) -> tuple[tuple[Obj, ...], dict[str, Obj]]:
     objects = render(overlay)
     container = server_container(objects)
     pod = server_deployment(objects)["spec"]["template"]["spec"]
     _, env, _ = overlay_settings(overlay, tmp_path)
     for name in COMPILE_CACHES:
-        volume = _volume_at(pod, container, env[name])
-        assert "persistentVolumeClaim" in volume and not volume.get("ephemeral"), (name, volume)
-        claim = one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        assert name in env, f"the server container sets no {name}"
+    return objects, {name: _volume_at(pod, container, env[name]) for name in COMPILE_CACHES}
+
+
+@pytest.mark.parametrize("overlay", ALL)
+def test_kernel_caches_outlive_the_pod(overlay: str, tmp_path: Path) -> None:
+    """Triton's and Inductor's kernels lie on a claim that outlives the pod (not an emptyDir or
+    a claim made and deleted with it), so a restarted or new replica loads them instead of
+    compiling; where the autoscaler allows several replicas, one claim they all mount
+    (ReadWriteMany), so a rollout's new pods start warm."""
+    objects, volumes = _compile_cache_volumes(overlay, tmp_path)
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        claim = _claim_of(objects, volumes[name])
+        assert claim is not None, (name, volumes[name])
         if _max_replicas(objects) > 1:
             assert claim["spec"]["accessModes"] == ["ReadWriteMany"], (name, claim)
+
+
+@pytest.mark.parametrize("overlay", ALL)
+def test_vllm_compile_cache_is_one_replicas_own(overlay: str, tmp_path: Path) -> None:
+    """vLLM 0.26 rewrites its compile cache's index in place and reads it at start unguarded
+    (vllm/compilation/backends.py), so two replicas never share it: with one replica it lies
+    on the claim that outlives the pod; with several, on a volume of each pod's own."""
+    objects, volumes = _compile_cache_volumes(overlay, tmp_path)
+    claim = _claim_of(objects, volumes["VLLM_CACHE_ROOT"])
+    if _max_replicas(objects) > 1:
+        assert claim is None or "ReadWriteMany" not in claim["spec"]["accessModes"], claim
+    else:
+        assert claim is not None, volumes["VLLM_CACHE_ROOT"]
 
 
 def _startup_budget_s(container: Obj) -> int:
