@@ -187,6 +187,16 @@ def container_env(objects: tuple[Obj, ...], container: Obj) -> dict[str, str]:
     return env
 
 
+# Where vLLM keeps its compiled graphs, and where Triton and Inductor keep their kernels.
+KERNEL_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+COMPILE_CACHES = ("VLLM_CACHE_ROOT", *KERNEL_CACHES)
+
+
+def lies_under(path: str, root: str) -> bool:
+    """Whether `path` is `root` or inside it."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 def mounted_file(objects: tuple[Obj, ...], pod: Obj, container: Obj, path: str) -> str:
     """The text a container reads at `path`, from the ConfigMap volume mounted above it."""
     for mount in container["volumeMounts"]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.kernels.vllm.plugin import SUPPORTED_VLLM
-from tests.deploy.manifests import dockerfile_env
+from tests.deploy.manifests import COMPILE_CACHES, dockerfile_env, lies_under
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = (REPO / "Dockerfile", REPO / "deploy" / "compose" / "cpu.Dockerfile")
@@ -65,6 +65,6 @@ def test_gpu_image_keeps_its_compile_caches_on_its_volume() -> None:
     dockerfile = REPO / "Dockerfile"
     volumes = re.findall(r'^VOLUME \["([^"]+)"\]', dockerfile.read_text(), re.M)
     env = dockerfile_env(dockerfile)
-    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    for name in COMPILE_CACHES:
         assert name in env, f"the Dockerfile sets no {name}"
-        assert any(env[name].startswith(v.rstrip("/") + "/") for v in volumes), env[name]
+        assert any(lies_under(env[name], v) for v in volumes), env[name]

@@ -23,7 +23,9 @@ from loraplex.adapters_registry.names import check_name, parse_ref
 from loraplex.server.metrics_access import PICKER_METRICS_PATH
 from loraplex.server.picker_metrics import PICKER_ENGINE_FAMILIES
 from tests.deploy.manifests import (
+    COMPILE_CACHES,
     CRD_DIR,
+    KERNEL_CACHES,
     KUSTOMIZE,
     OVERLAYS,
     REPO,
@@ -33,6 +35,7 @@ from tests.deploy.manifests import (
     crd_schemas,
     dockerfile_user,
     image_dockerfile,
+    lies_under,
     load_with,
     loraplex_metric_names,
     metric_names_in,
@@ -409,18 +412,12 @@ def test_containers_run_unprivileged_on_a_read_only_root(overlay: str, tmp_path:
     paths = (settings.cache_dir, env["HOME"], env["HF_HOME"], *(env[n] for n in COMPILE_CACHES),
              "/tmp")  # fmt: skip
     for path in map(str, paths):
-        assert any(path == w or path.startswith(w + "/") for w in writable), path
-
-
-COMPILE_CACHES = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+        assert any(lies_under(path, w) for w in writable), path
 
 
 def _volume_at(pod: Obj, container: Obj, path: str) -> Obj:
     """The pod's volume whose mount in `container` holds `path` (the deepest mount wins)."""
-    mounts = [
-        m for m in container["volumeMounts"]
-        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
-    ]  # fmt: skip
+    mounts = [m for m in container["volumeMounts"] if lies_under(path, m["mountPath"])]
     assert mounts, f"{path} is on no volume"
     mount = max(mounts, key=lambda m: len(m["mountPath"]))
     assert not mount.get("readOnly"), f"{path} is on a read-only mount"
@@ -452,10 +449,11 @@ def test_kernel_caches_outlive_the_pod(overlay: str, tmp_path: Path) -> None:
     compiling; where the autoscaler allows several replicas, one claim they all mount
     (ReadWriteMany), so a rollout's new pods start warm."""
     objects, volumes = _compile_cache_volumes(overlay, tmp_path)
-    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    shared = _max_replicas(objects) > 1
+    for name in KERNEL_CACHES:
         claim = _claim_of(objects, volumes[name])
         assert claim is not None, (name, volumes[name])
-        if _max_replicas(objects) > 1:
+        if shared:
             assert claim["spec"]["accessModes"] == ["ReadWriteMany"], (name, claim)
 
 
