@@ -18,8 +18,9 @@ TPOT from the stream), with the 8 adapters round robin where vLLM's client draws
 It runs base-model requests where the server has no LoRA, LoRA requests where it does (and base
 requests too on `plugin`, the figure the offline bench compares with).
 
-Per row: output tok/s (all requests' output tokens over the run's wall), TTFT p50/p90, decode
-tok/s per request (1 / TPOT p50), and the server's start-up with vLLM's split (bench/e2e/rows.py).
+Per row: output tok/s (all requests' output tokens over the run's wall), TTFT p50/p90 and each
+request's (`first_tokens`), decode tok/s per request (1 / TPOT p50), and the server's start-up
+with vLLM's split (bench/e2e/rows.py).
 `python3 -m bench.e2e.rows summary` gives the ratios over vLLM's own server.
 
 The model directory holds what the servers read besides weights: config.json, a placeholder
@@ -51,7 +52,7 @@ from bench.e2e.shapes import (
     make_model,
     write_shape_only_checkpoint,
 )
-from bench.loadgen.client import run_workload
+from bench.loadgen.client import Sample, run_workload
 from bench.loadgen.report import print_table, summarize
 from bench.loadgen.server import ServerProcess
 from bench.loadgen.workload import TenantLoad, Workload
@@ -162,7 +163,23 @@ def load(ns: argparse.Namespace, server: ServerProcess, model: str, adapters: li
                         warmup_requests=0, vocab_low=10, vocab_high=ns.vocab_high,
                         tenants=[tenant])  # fmt: skip
     samples, wall_s = asyncio.run(run_workload(workload))
-    return summarize(workload, samples, wall_s)
+    summary = summarize(workload, samples, wall_s)
+    summary["first_tokens"] = first_tokens(samples)
+    return summary
+
+
+def first_tokens(samples: list[Sample]) -> list[list[float | None]]:
+    """[sent at, TTFT] per request in the order sent, seconds (sent at from the first send),
+    rounded to the millisecond: two servers' TTFT p50 can differ by how they order a wave's
+    prefills, which p50 and p90 alone do not show (docs/kernels.md, "Beside vLLM's own
+    servers")."""
+    if not samples:
+        return []
+    start = min(s.sent_at for s in samples)
+    return [
+        [round(s.sent_at - start, 3), None if s.ttft_s is None else round(s.ttft_s, 3)]
+        for s in sorted(samples, key=lambda s: s.sent_at)
+    ]
 
 
 # Which requests each server runs (module docstring).
@@ -187,7 +204,7 @@ def measure(
             "decode_tok_s_per_req": 1.0 / t["tpot_s"]["p50"], "tpot_p50_s": t["tpot_s"]["p50"],
             "ttft_p50_s": t["ttft_s"]["p50"], "ttft_p90_s": t["ttft_s"]["p90"],
             "otps_p50": t["otps"]["p50"], "output_tok_s": t["output_tokens_per_s"],
-            "wall_s": summary["wall_s"],
+            "wall_s": summary["wall_s"], "first_tokens": summary["first_tokens"],
         })  # fmt: skip
     return rows
 

@@ -26,7 +26,7 @@ from bench.e2e.rows import (
     startup_split,
     summary,
 )
-from bench.e2e.serve_e2e import TINY, vllm_server_args
+from bench.e2e.serve_e2e import TINY, first_tokens, vllm_server_args
 from bench.e2e.shapes import (
     ADAPTER_TARGETS,
     GPT_OSS_20B,
@@ -41,6 +41,7 @@ from bench.e2e.shapes import (
     model_config,
     write_shape_only_checkpoint,
 )
+from bench.loadgen.client import Sample
 from loraplex.adapters_registry.base_model import load_base_model_spec
 from loraplex.adapters_registry.validation import validate_adapter
 
@@ -364,3 +365,11 @@ def test_build_once_moves_a_whole_folder_in_and_drops_a_late_copy(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no half-built copies left
     build_once(target, "w", build)
     assert len(seen) == 2  # built already: nothing to do
+
+
+def test_first_tokens_lists_each_request_in_the_order_sent() -> None:
+    samples = [Sample(tenant="e2e", adapter=None, sent_at=10.5, ttft_s=0.4),
+               Sample(tenant="e2e", adapter="ad0", sent_at=10.0, ttft_s=0.12345),
+               Sample(tenant="e2e", adapter=None, sent_at=11.0, error="503")]  # fmt: skip
+    assert first_tokens(samples) == [[0.0, 0.123], [0.5, 0.4], [1.0, None]]
+    assert first_tokens([]) == []
