@@ -13,7 +13,15 @@ candidates a batch gets).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+# Decode variants under A/B on the GPU (docs/kernels.md, "The down shrink inside the
+# activation"): a comma-separated list of DECODE_VARIANTS' names, read once, here, into REGIMES.
+# vLLM's processes inherit it. Off by default until measured.
+DECODE_VARIANT_ENV = "LORAPLEX_DECODE_VARIANT"
+DECODE_VARIANTS = ("down_shrink_in_act",)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,9 @@ class Regimes:
     # 211.32 tok/s per request with the dense LoRA in one launch, docs/kernels.md), and the
     # tuner's prefill candidates from it.
     prefill_min_pairs: int = 8192
+    # Decode variant `down_shrink_in_act`: in the naive form the fused activation also writes the
+    # down LoRA's shrink, so the down call launches its expand alone (one launch less a layer).
+    down_shrink_in_act: bool = False
 
     def dense_gemv(self, tokens: int) -> bool:
         """Whether a dense LoRA call of `tokens` tokens takes our GEMVs (else our tiled kernels)."""
@@ -99,4 +110,16 @@ class Regimes:
         return pairs >= self.prefill_min_pairs
 
 
-REGIMES = Regimes()
+def regimes_for(environ: Mapping[str, str]) -> Regimes:
+    """The table with the decode variants named in environ[DECODE_VARIANT_ENV] (unset or empty:
+    none). Raises ValueError naming the unknown names and the known ones."""
+    raw = environ.get(DECODE_VARIANT_ENV, "")
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    if unknown := sorted(names - set(DECODE_VARIANTS)):
+        raise ValueError(
+            f"{DECODE_VARIANT_ENV}={raw!r}: unknown {unknown}; known: {list(DECODE_VARIANTS)}"
+        )
+    return Regimes(down_shrink_in_act="down_shrink_in_act" in names)
+
+
+REGIMES = regimes_for(os.environ)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from loraplex.kernels.dispatch import REGIMES, Regimes
+from loraplex.kernels.dispatch import DECODE_VARIANT_ENV, REGIMES, Regimes, regimes_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +111,16 @@ def test_the_three_prefill_boundaries_move_together() -> None:
     moved = dataclasses.replace(REGIMES, prefill_min_pairs=4096)
     regime = {n: forms(point("qwen3", n, 64, None), moved)[4:] for n in (511, 512, 513)}
     assert regime == {511: REGIME["decode"], 512: REGIME["first prefill"], 513: REGIME["prefill"]}
+
+
+def test_decode_variants_come_from_the_environment() -> None:
+    """LORAPLEX_DECODE_VARIANT names the variants under A/B; none by default; an unknown name
+    is refused with the known ones."""
+    assert regimes_for({}) == Regimes()
+    assert not Regimes().down_shrink_in_act
+    on = regimes_for({DECODE_VARIANT_ENV: " down_shrink_in_act ,"})
+    assert on == dataclasses.replace(Regimes(), down_shrink_in_act=True)
+    with pytest.raises(
+        ValueError, match=r"unknown \['moe_inline'\]; known: \['down_shrink_in_act'\]"
+    ):
+        regimes_for({DECODE_VARIANT_ENV: "down_shrink_in_act,moe_inline"})

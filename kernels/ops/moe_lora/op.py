@@ -11,6 +11,7 @@ op can be captured in CUDA graphs; grids depend on shapes only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -205,6 +206,19 @@ def fused_moe_lora(
             **config.launch_options(),
         )  # fmt: skip
         return
+    shrunk = _shrunk_down.get()
+    if shrunk is not None and shrunk.serves(a0, len(lora_a), routing, sorted_form, num_pairs):
+        # The fused activation ran this call's shrink (`shrunk_down`): the expand alone, its
+        # K ranges the activation's N tiles. Not under PDL: the kernel before it is vLLM's down
+        # GEMM, which writes the output the expand reads before its wait.
+        before_output_write()
+        SplitExpand(
+            shrunk.ws.view(1, num_pairs, shrunk.tiles, 1, block_r), b0, b1, out2d,
+            topk_weights, routing, n, lengths, (stride_sl, stride_el), offset, sorted_form,
+            block_m, lora_pad, block_r, rank, dataclasses.replace(config, split_k=shrunk.tiles),
+            1, 1, mul_routed_weight, add_inputs, None,
+        ).launch()  # fmt: skip
+        return
     ws_rows = block_m if sorted_form else 1
     split = config.split_k
     ws = torch.empty(
@@ -330,6 +344,51 @@ class SplitExpand:
             ADD_INPUTS=self.add_inputs, USE_PDL=use_pdl, num_stages=3,
             **config.launch_options(), **pdl_kwargs,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ShrunkDown:
+    """The down LoRA's shrink, run by the fused activation (`act.down_tiles`): for each pair
+    with LoRA, ws[pair, tile, :] = act_out[pair, tile] @ A[slot, expert][:, tile].T in fp32,
+    over `tiles` N tiles of the activation; `routing` is the gate/up call's, which the down
+    call shares."""
+
+    a: torch.Tensor  # the down call's A (L, E, R, I)
+    ws: torch.Tensor  # (pairs, tiles, block_r) fp32
+    tiles: int
+    routing: tuple[torch.Tensor, ...]  # sorted ids, expert ids, ntpp, tlm, lora_ids, enabled
+
+    def serves(
+        self, a: torch.Tensor, slices: int, routing: tuple[torch.Tensor, ...], sorted_form: bool,
+        num_pairs: int,
+    ) -> bool:  # fmt: skip
+        """Whether a call of A `a` and this routing is the one whose shrink this is: one slice,
+        the naive form, the same pairs, and the same weights and routing tensors (the cells of
+        a pair without LoRA are never written, so the call must skip the same pairs)."""
+        _, expert_ids, _, tlm, _, enabled = routing
+        _, my_experts, _, my_tlm, _, my_enabled = self.routing
+        same = all(
+            mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape
+            for mine, theirs in ((self.a, a), (my_experts, expert_ids), (my_tlm, tlm),
+                                 (my_enabled, enabled))
+        )  # fmt: skip
+        return same and slices == 1 and not sorted_form and self.ws.shape[0] == num_pairs
+
+
+_shrunk_down: ContextVar[ShrunkDown | None] = ContextVar("loraplex_shrunk_down", default=None)
+
+
+@contextmanager
+def shrunk_down(shrunk: ShrunkDown | None) -> Iterator[None]:
+    """Inside the block, the MoE-LoRA call that `shrunk` serves (`ShrunkDown.serves`) launches
+    its expand over `shrunk`'s partial products instead of its own shrink; any other call runs
+    whole. The vLLM plugin wraps the down call in it after a fused activation that ran the
+    shrink (the `down_shrink_in_act` decode variant)."""
+    token = _shrunk_down.set(shrunk)
+    try:
+        yield
+    finally:
+        _shrunk_down.reset(token)
 
 
 # Set only inside `defer_gate_up_expand()`. A context variable, not an argument: vLLM calls the

@@ -10,6 +10,7 @@ test_moe_lora_gpu.py on the device.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -22,9 +23,21 @@ from loraplex.kernels.ops.moe_lora.act import (
     expand_swigluoai_and_mul,
 )
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
-from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
+from loraplex.kernels.ops.moe_lora.op import (
+    ShrunkDown,
+    defer_gate_up_expand,
+    fused_moe_lora,
+    shrunk_down,
+)
 from loraplex.kernels.ops.moe_lora.reference import swigluoai_and_mul_reference
-from tests.support.moe_lora_cases import Case, check_expand_activation, make_inputs
+from tests.support.moe_lora_cases import (
+    Case,
+    check_expand_activation,
+    down_call,
+    fused_activation,
+    gate_up_call,
+    make_inputs,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
@@ -34,6 +47,9 @@ SPLIT_PARTS = MoeLoraConfig(
 )
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32)
 GEMV = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, gemv_shrink=True)
+GEMV_BOTH = MoeLoraConfig(
+    "split", block_k=32, block_n=32, split_k=2, gemv_shrink=True, gemv_expand=True
+)
 
 
 def _sorted(case: Case, block_m: int) -> Case:
@@ -149,3 +165,68 @@ def test_rejects_an_output_of_the_wrong_shape() -> None:
     out = torch.empty(case.tokens * case.top_k, case.n + 1)
     with pytest.raises(ValueError, match=r"must be \(pairs, I\) = \(8, 48\)"):
         expand_silu_and_mul(deferred[0], out)
+
+
+NAIVE = [n for n in sorted(CASES) if not CASES[n].sorted_form]
+
+
+def _activation_with_down_shrink(
+    name: str, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, Any], ShrunkDown]:
+    """A gate/up call of CASES[name] deferred, then its fused activation with and without the
+    down shrink: (gate/up args, the down call's args, the ShrunkDown). Both activations write
+    the same bits."""
+    case = CASES[name]
+    args = gate_up_call(case, dtype, DEVICE, seed=len(name))
+    with defer_gate_up_expand() as deferred:
+        fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=GEMV)
+    width = args["output"].shape[-1] // 2
+    plain = torch.empty(case.tokens * case.top_k, width, dtype=dtype, device=DEVICE)
+    assert fused_activation(deferred[0], plain) is None
+    out = torch.full_like(plain, 777.0)
+    down = down_call(args, out, case, dtype, DEVICE, seed=len(name) + 1)
+    shrunk = fused_activation(deferred[0], out, down["lora_a_stacked"][0])
+    assert shrunk is not None
+    assert torch.equal(out, plain), "the down shrink changed the activation"
+    return args, down, shrunk
+
+
+@pytest.mark.parametrize("down_config", [GEMV_BOTH, SPLIT], ids=["gemv", "tl_dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", NAIVE)
+def test_down_call_takes_the_shrink_the_activation_ran(
+    name: str, dtype: torch.dtype, down_config: MoeLoraConfig
+) -> None:
+    """The `down_shrink_in_act` decode variant: the down call inside `shrunk_down` adds what the
+    whole op adds, from the activation's partial products over its N tiles, not from its own
+    shrink (its x is zeros there, which would add nothing)."""
+    _, down, shrunk = _activation_with_down_shrink(name, dtype)
+    before = down["output"].clone()
+    want = down["output"].clone()
+    fused_moe_lora(**{**down, "output": want}, config=down_config, mul_routed_weight=True)
+    x = down["qcurr_hidden_states"]
+    with shrunk_down(shrunk):
+        fused_moe_lora(**{**down, "qcurr_hidden_states": torch.zeros_like(x)},
+                       config=down_config, mul_routed_weight=True)  # fmt: skip
+    got = down["output"]
+    delta = (want.double() - before.double()).norm()
+    if CASES[name].no_adapter == 1.0:  # no pair on LoRA: neither call writes
+        assert delta == 0 and torch.equal(got, before)
+        return
+    err = float((got.double() - want.double()).norm() / delta)
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def test_down_shrink_serves_only_its_own_call() -> None:
+    """Inside `shrunk_down`, a call with other routing tensors (a copy of the expert ids), other
+    weights, or two slices runs whole, from its own x."""
+    name = NAIVE[0]
+    _, down, shrunk = _activation_with_down_shrink(name, torch.float32)
+    zeros = torch.zeros_like(down["qcurr_hidden_states"])
+    other_a = [down["lora_a_stacked"][0].clone()]
+    for change in ({"expert_ids": down["expert_ids"].clone()}, {"lora_a_stacked": other_a}):
+        call = {**down, **change, "qcurr_hidden_states": zeros, "output": down["output"].clone()}
+        before = call["output"].clone()
+        with shrunk_down(shrunk):
+            fused_moe_lora(**call, config=GEMV_BOTH, mul_routed_weight=True)
+        assert torch.equal(call["output"], before), change.keys()
