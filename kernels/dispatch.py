@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 # Decode variants under A/B on the GPU (docs/kernels.md, "The down shrink inside the
 # activation"): a comma-separated list of DECODE_VARIANTS' names, read once, here, into REGIMES.
-# vLLM's processes inherit it. Off by default until measured.
+# The environment, not loraplex's settings: the kernels run in vLLM's engine and worker processes,
+# which inherit it and never load those (as the plugin's own switch, `plugin.ENV_SWITCH`). Off by
+# default until measured.
 DECODE_VARIANT_ENV = "LORAPLEX_DECODE_VARIANT"
 DECODE_VARIANTS = ("down_shrink_in_act",)
 

@@ -170,7 +170,12 @@ def fused_methods(
     side_apply_w2_lora, side_moe_sum = side_methods(apply_w2_lora, moe_sum)
 
     def shrunk_apply_w2_lora(self: Any, lora_context: Any, **call: Any) -> None:
-        with shrunk_down(self.__dict__.pop(SHRUNK, None)):
+        shrunk = self.__dict__.pop(SHRUNK, None)
+        if READY in self.__dict__:
+            # The down LoRA may go beside (prefill sizes), where the cells' buffer, freed on
+            # the main stream, would not outlive the side stream's read: it runs whole there.
+            shrunk = None
+        with shrunk_down(shrunk):
             side_apply_w2_lora(self, lora_context, **call)
 
     fusing_activation._loraplex = True  # type: ignore[attr-defined]  # marks the patch as done

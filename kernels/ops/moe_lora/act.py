@@ -88,7 +88,8 @@ def down_tiles(expand: SplitExpand, out: torch.Tensor, down_a: torch.Tensor) -> 
     fits_a = (
         width == out.shape[1]
         and rank == expand.rank
-        and (slots, experts) == tuple(expand.b0.shape[:2])
+        and slots == expand.lengths[6]  # the slots the kernels take as max_loras
+        and experts == expand.b0.shape[1]
         and down_a.dtype == out.dtype
         and down_a.device == out.device
     )
@@ -133,7 +134,7 @@ def _launch(
         assert down_a is not None
         ws = torch.empty((num_pairs, tiles, expand.block_r), dtype=torch.float32,
                          device=out.device)  # fmt: skip
-        down = ShrunkDown(down_a, ws, tiles, expand.routing)
+        down = ShrunkDown(out, down_a, ws, tiles, expand.routing)
     down_a_arg = down_a if down_a is not None else expand.b0  # never read without DOWN_SHRINK
     down_ws_arg = down.ws if down is not None else expand.ws
     moe_lora_expand_silu_and_mul_kernel[grid](

@@ -247,6 +247,8 @@ def moe_lora_expand_silu_and_mul_kernel(
     over its N tile: down_ws[p, tile, :] = out[p, tile] @ down_A[slot, expert][:, tile].T
     (fp32), the partial products the down call's GEMV expand sums as its SPLIT_K ranges
     (`op.shrunk_down`), so that call launches no shrink of its own."""
+    # At the top: on the GPU the code after the naive branch's return is still compiled.
+    tl.static_assert(not (SORTED and DOWN_SHRINK))
     pid = tl.program_id(0)
     if pid >= lora_programs:
         pairs = (pid - lora_programs) * PLAIN_ROWS + tl.arange(0, PLAIN_ROWS)
@@ -289,8 +291,13 @@ def moe_lora_expand_silu_and_mul_kernel(
     unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     if not SORTED:
         tl.static_assert(WS_ROWS == 1)
+        activated = _gemv_activation(
+            unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr, stride_gm,
+            stride_gn, stride_om, stride_on, alpha, limit, SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI,
+        )  # fmt: skip
         if DOWN_SHRINK:
-            # A weight, like B: it loads before the PDL wait.
+            # A loads after the activation, when B's tiles are dead: at the tuned decode tiles
+            # (up to 1,024 columns) A's tile beside both of B's would spill.
             offs_r = tl.arange(0, BLOCK_R)
             down_a_base = slice_base(down_a_ptr, down_a_ptr, 0, slot, expert, stride_dl,
                                      stride_de)  # fmt: skip
@@ -298,16 +305,10 @@ def moe_lora_expand_silu_and_mul_kernel(
                 down_a_base + offs_r[:, None] * stride_dr + offs_n[None, :] * stride_dk,
                 mask=(offs_r < RANK)[:, None] & (offs_n < N)[None, :], other=0.0,
             )  # fmt: skip
-        activated = _gemv_activation(
-            unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr, stride_gm,
-            stride_gn, stride_om, stride_on, alpha, limit, SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI,
-        )  # fmt: skip
-        if DOWN_SHRINK:
             partial = tl.sum(down_a.to(tl.float32) * activated.to(tl.float32)[None, :], 1)
             cell = (unit.to(tl.int64) * n_tiles + tile) * BLOCK_R
-            tl.store(down_ws_ptr + cell + tl.arange(0, BLOCK_R), partial)
+            tl.store(down_ws_ptr + cell + offs_r, partial)
         return
-    tl.static_assert(not DOWN_SHRINK)
     # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
     all_pairs = unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,
                            BLOCK_M)  # fmt: skip

@@ -313,6 +313,19 @@ def down_shrink_in_act(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_experts, "REGIMES", variant)
 
 
+def _record_serves(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What `ShrunkDown.serves` answers from now on, call by call."""
+    served: list[bool] = []
+    real_serves = ShrunkDown.serves
+
+    def recording_serves(self: ShrunkDown, *args: Any) -> bool:
+        served.append(real_serves(self, *args))
+        return served[-1]
+
+    monkeypatch.setattr(ShrunkDown, "serves", recording_serves)
+    return served
+
+
 def _down_ran_in_order(applied: Applied) -> bool:
     """Whether the down LoRA went vLLM's way: added into the GEMM's buffer, then moe_sum."""
     calls = applied.experts.down_calls
@@ -527,15 +540,17 @@ def test_a_decode_batch_keeps_both_loras_in_order_eagerly_and_in_a_cuda_graph(
 @pytest.mark.parametrize(("kind", "case"), FLOWS[::2], ids=FLOW_IDS[::2])
 def test_the_down_shrink_variant_in_a_cuda_graph_keeps_the_specs_numbers(
     classes: Any, kind: Act, case: Case, down_shrink_in_act: None,
-    shrunk_downs: list[ShrunkDown | None],
+    shrunk_downs: list[ShrunkDown | None], monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """`down_shrink_in_act` on a decode batch in bf16, eagerly and captured: the down call
     takes the activation's shrink both times and the sum is the spec's."""
-    eager = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3, case=case)
-    applied = _apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, graph=True, case=case)
+    served = _record_serves(monkeypatch)
+    runs = [_apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3, case=case,
+                   graph=graph) for graph in (False, True)]  # fmt: skip
     torch.cuda.synchronize()
     assert [type(shrunk) for shrunk in shrunk_downs] == [ShrunkDown, ShrunkDown]
-    for run in (eager, applied):
+    assert served == [True, True], "a down call ran its own shrink"
+    for run in runs:
         assert _down_ran_in_order(run)
         assert run.act_error < 2e-2  # bf16 operands
         assert run.sum_error < 2e-2
@@ -622,14 +637,7 @@ def test_under_the_down_shrink_variant_the_activation_hands_the_down_call_its_sh
 ) -> None:  # fmt: skip
     """The fused activation runs the down LoRA's shrink and the down call takes it (a decode
     batch: in order on the main stream); the sum with the down LoRA is the spec's."""
-    served: list[bool] = []
-    real_serves = ShrunkDown.serves
-
-    def recording_serves(self: ShrunkDown, *args: Any) -> bool:
-        served.append(real_serves(self, *args))
-        return served[-1]
-
-    monkeypatch.setattr(ShrunkDown, "serves", recording_serves)
+    served = _record_serves(monkeypatch)
     applied = _apply(classes[0], kind, case=case)
     assert applied.experts.activations == []
     assert [type(shrunk) for shrunk in shrunk_downs] == [ShrunkDown]

@@ -191,7 +191,7 @@ def _activation_with_down_shrink(
     return args, down, shrunk
 
 
-@pytest.mark.parametrize("down_config", [GEMV_BOTH, SPLIT], ids=["gemv", "tl_dot"])
+@pytest.mark.parametrize("down_config", [GEMV_BOTH, SPLIT, FUSED], ids=["gemv", "tl_dot", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name", NAIVE)
 def test_down_call_takes_the_shrink_the_activation_ran(
@@ -199,15 +199,15 @@ def test_down_call_takes_the_shrink_the_activation_ran(
 ) -> None:
     """The `down_shrink_in_act` decode variant: the down call inside `shrunk_down` adds what the
     whole op adds, from the activation's partial products over its N tiles, not from its own
-    shrink (its x is zeros there, which would add nothing)."""
+    shrink: its input is zeroed in place first, which would add nothing. A fused entry's call
+    takes them too (the GEMV expand over its columns)."""
     _, down, shrunk = _activation_with_down_shrink(name, dtype)
     before = down["output"].clone()
     want = down["output"].clone()
     fused_moe_lora(**{**down, "output": want}, config=down_config, mul_routed_weight=True)
-    x = down["qcurr_hidden_states"]
+    down["qcurr_hidden_states"].zero_()
     with shrunk_down(shrunk):
-        fused_moe_lora(**{**down, "qcurr_hidden_states": torch.zeros_like(x)},
-                       config=down_config, mul_routed_weight=True)  # fmt: skip
+        fused_moe_lora(**down, config=down_config, mul_routed_weight=True)
     got = down["output"]
     delta = (want.double() - before.double()).norm()
     if CASES[name].no_adapter == 1.0:  # no pair on LoRA: neither call writes
@@ -218,15 +218,19 @@ def test_down_call_takes_the_shrink_the_activation_ran(
 
 
 def test_down_shrink_serves_only_its_own_call() -> None:
-    """Inside `shrunk_down`, a call with other routing tensors (a copy of the expert ids), other
-    weights, or two slices runs whole, from its own x."""
-    name = NAIVE[0]
-    _, down, shrunk = _activation_with_down_shrink(name, torch.float32)
-    zeros = torch.zeros_like(down["qcurr_hidden_states"])
+    """Inside `shrunk_down`, a call with another input tensor, other routing tensors (a copy of
+    the expert ids) or other weights runs whole, from its own input: zeros, which add nothing,
+    where the activation's cells would add the LoRA."""
+    _, down, shrunk = _activation_with_down_shrink("naive_t7_k4_e8_r8_a3_none", torch.float32)
+    down["qcurr_hidden_states"].zero_()
     other_a = [down["lora_a_stacked"][0].clone()]
-    for change in ({"expert_ids": down["expert_ids"].clone()}, {"lora_a_stacked": other_a}):
-        call = {**down, **change, "qcurr_hidden_states": zeros, "output": down["output"].clone()}
+    other_x = torch.zeros_like(down["qcurr_hidden_states"])
+    changes = [{"qcurr_hidden_states": other_x}, {"expert_ids": down["expert_ids"].clone()},
+               {"lora_a_stacked": other_a}, {}]  # fmt: skip
+    for change in changes:
+        call = {**down, **change, "output": down["output"].clone()}
         before = call["output"].clone()
         with shrunk_down(shrunk):
             fused_moe_lora(**call, config=GEMV_BOTH, mul_routed_weight=True)
-        assert torch.equal(call["output"], before), change.keys()
+        own_call = change == {}
+        assert torch.equal(call["output"], before) != own_call, list(change)
