@@ -23,7 +23,7 @@ from dataclasses import dataclass
 # which inherit it and never load those (as the plugin's own switch, `plugin.ENV_SWITCH`). Off by
 # default until measured.
 DECODE_VARIANT_ENV = "LORAPLEX_DECODE_VARIANT"
-DECODE_VARIANTS = ("down_shrink_in_act",)
+DECODE_VARIANTS = ("down_shrink_in_act", "act_tile_cap")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,19 @@ class Regimes:
     # Decode variant `down_shrink_in_act`: in the naive form the fused activation also writes the
     # down LoRA's shrink, so the down call launches its expand alone (one launch less a layer).
     down_shrink_in_act: bool = False
+    # Decode variant `act_tile_cap`: in the naive form the fused activation's N tile is at most
+    # this many columns a warp, where it takes the gate/up expand's tuned tile otherwise (up to
+    # 1,024 columns on 4 warps for GPT-OSS). ptxas for sm_90 (Triton 3.9, docs/kernels.md): at
+    # 4 warps swigluoai's program holds 229 registers at 64 columns and none spill, 255 with 28
+    # bytes spilled at 128, and 7.2 KB of stack with ~19 KB of spill stores at 1,024.
+    act_columns_per_warp: int | None = None
+
+    def act_block_n(self, tuned_block_n: int, num_warps: int) -> int:
+        """The fused activation's N tile in the naive form, from the gate/up expand's tuned one:
+        capped at `act_columns_per_warp` a warp under the `act_tile_cap` variant."""
+        if self.act_columns_per_warp is None:
+            return tuned_block_n
+        return min(tuned_block_n, self.act_columns_per_warp * num_warps)
 
     def dense_gemv(self, tokens: int) -> bool:
         """Whether a dense LoRA call of `tokens` tokens takes our GEMVs (else our tiled kernels)."""
@@ -121,7 +134,10 @@ def regimes_for(environ: Mapping[str, str]) -> Regimes:
         raise ValueError(
             f"{DECODE_VARIANT_ENV}={raw!r}: unknown {unknown}; known: {list(DECODE_VARIANTS)}"
         )
-    return Regimes(down_shrink_in_act="down_shrink_in_act" in names)
+    return Regimes(
+        down_shrink_in_act="down_shrink_in_act" in names,
+        act_columns_per_warp=16 if "act_tile_cap" in names else None,
+    )
 
 
 REGIMES = regimes_for(os.environ)

@@ -28,9 +28,10 @@
 #   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU
 #      kernel tests on GPU 1 (bench/kernels/run_device.sh tests: carry .whl); the TP=2 check is
 #      part c's
-#   v  the decode variant under A/B (LORAPLEX_DECODE_VARIANT=down_shrink_in_act): the plugin with
-#      it, GPT-OSS shape on GPU 0 | Qwen3 shape on GPU 1; ratios over part a's base and plugin
-#      rows of the same machine, so run a (or its lane) first on it
+#   v  the decode variants under A/B (LORAPLEX_DECODE_VARIANT): the plugin with act_tile_cap,
+#      with both, then with down_shrink_in_act, GPT-OSS shape on GPU 0 | Qwen3 shape on GPU 1;
+#      ratios over part a's base and plugin rows of the same machine, so run a (or its lane)
+#      first on it
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
 # a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
@@ -204,14 +205,16 @@ case "$part" in
     }
     lanes ;;
   v)
-    lane0() {
-      (export LORAPLEX_DECODE_VARIANT=down_shrink_in_act
-        bench plugin-oss-down-shrink 300 plugin "${oss[@]}")
+    # variants MODEL: the plugin with each variant set in turn, most promising first.
+    variants() {
+      local model=$1 v
+      shift
+      for v in act_tile_cap act_tile_cap,down_shrink_in_act down_shrink_in_act; do
+        (export LORAPLEX_DECODE_VARIANT=$v && bench "plugin-$model-${v/,/+}" 240 plugin "$@")
+      done
     }
-    lane1() {
-      (export LORAPLEX_DECODE_VARIANT=down_shrink_in_act
-        bench plugin-qwen-down-shrink 300 plugin "${qwen[@]}")
-    }
+    lane0() { variants oss "${oss[@]}"; }
+    lane1() { variants qwen "${qwen[@]}"; }
     lanes ;;
   *)
     echo "unknown part $part (a b c d e f g t k v)" >&2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora.act_kernels import moe_lora_expand_silu_and_mul_kernel
 from loraplex.kernels.ops.moe_lora.op import ShrunkDown, SplitExpand
 
@@ -22,7 +23,8 @@ from loraplex.kernels.ops.moe_lora.op import ShrunkDown, SplitExpand
 # 16-row chunks of 128 columns on 4 warps took 152-355 us against 205-499 for programs over all
 # six N tiles; none of 21 other shapes, nor a register cap, was faster (docs/kernels.md). With no
 # pair on LoRA, plain programs of 32 pairs took 310-338 us at 25,600 tokens, of 64 344-383 us.
-# Decode (naive form: one pair per unit) keeps the expand's N tile and warps.
+# Decode (naive form: one pair per unit) keeps the expand's N tile and warps, the tile capped
+# under the act_tile_cap decode variant (kernels/dispatch.py).
 SORTED_CHUNK = 16
 SORTED_BLOCK_N = 128
 SORTED_WARPS = 4
@@ -95,7 +97,16 @@ def down_tiles(expand: SplitExpand, out: torch.Tensor, down_a: torch.Tensor) -> 
     )
     if expand.sorted_form or not fits_a:
         return None
-    return triton.cdiv(width, expand.config.block_n)
+    return triton.cdiv(width, _launch_shape(expand)[0])
+
+
+def _launch_shape(expand: SplitExpand) -> tuple[int, int]:
+    """(N tile, warps): SORTED_* in the sorted form; in the naive form the gate/up expand's
+    tuned ones, the tile capped under the `act_tile_cap` decode variant (`REGIMES`)."""
+    if expand.sorted_form:
+        return SORTED_BLOCK_N, SORTED_WARPS
+    config = expand.config
+    return REGIMES.act_block_n(config.block_n, config.num_warps), config.num_warps
 
 
 def _check(expand: SplitExpand, out: torch.Tensor, slices: int) -> None:
@@ -115,9 +126,7 @@ def _launch(
     gate_up = expand.out2d
     n = gate_up.shape[1] // 2  # columns of gate (and of up) per pair
     config = expand.config
-    block_n, warps = config.block_n, config.num_warps
-    if expand.sorted_form:
-        block_n, warps = SORTED_BLOCK_N, SORTED_WARPS
+    block_n, warps = _launch_shape(expand)
     num_pairs = expand.lengths[0]
     lora_programs = expand.lengths[4] * triton.cdiv(n, block_n)
     grid = (lora_programs + triton.cdiv(num_pairs, PLAIN_ROWS),)

@@ -234,3 +234,29 @@ def test_down_shrink_serves_only_its_own_call() -> None:
             fused_moe_lora(**call, config=GEMV_BOTH, mul_routed_weight=True)
         own_call = change == {}
         assert torch.equal(call["output"], before) != own_call, list(change)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", [n for n in NAIVE if CASES[n].no_adapter < 1.0])
+def test_under_the_tile_cap_the_activation_and_its_down_shrink_keep_their_numbers(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The act_tile_cap variant at 4 columns a warp: 16-column tiles in the naive form (twice
+    the programs of the tuned 32), against the spec, and the down call's expand over as many
+    cells."""
+    capped = dataclasses.replace(act.REGIMES, act_columns_per_warp=4)
+    monkeypatch.setattr(act, "REGIMES", capped)
+    err = check_expand_activation(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    _, down, shrunk = _activation_with_down_shrink(name, dtype)
+    width = down["qcurr_hidden_states"].shape[1]
+    assert shrunk.tiles == -(-width // 16)
+    before = down["output"].clone()
+    want = down["output"].clone()
+    fused_moe_lora(**{**down, "output": want}, config=GEMV_BOTH, mul_routed_weight=True)
+    down["qcurr_hidden_states"].zero_()
+    with shrunk_down(shrunk):
+        fused_moe_lora(**down, config=GEMV_BOTH, mul_routed_weight=True)
+    delta = (want.double() - before.double()).norm()
+    err = float((down["output"].double() - want.double()).norm() / delta)
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
