@@ -132,6 +132,6 @@ def test_decode_variants_come_from_the_environment() -> None:
 def test_the_activation_tile_cap_bounds_columns_per_warp() -> None:
     """Without the act_tile_cap variant the activation takes the tuned tile; with it, at most 16
     columns a warp (GPT-OSS's 1,024 columns on 4 warps become 64; smaller tiles stay)."""
-    assert REGIMES.act_block_n(1024, 4) == 1024
+    assert Regimes().act_block_n(1024, 4) == 1024
     capped = regimes_for({DECODE_VARIANT_ENV: "act_tile_cap"})
     assert [capped.act_block_n(n, w) for n, w in ((1024, 4), (1024, 8), (32, 4))] == [64, 128, 32]
