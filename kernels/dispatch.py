@@ -68,6 +68,12 @@ class Regimes:
     # bytes spilled at 128, and 7.2 KB of stack with ~19 KB of spill stores at 1,024.
     act_columns_per_warp: int | None = None
 
+    def decode_variants(self) -> list[str]:
+        """The names of the decode variants this table has on (DECODE_VARIANTS' order)."""
+        on = {"down_shrink_in_act": self.down_shrink_in_act,
+              "act_tile_cap": self.act_columns_per_warp is not None}  # fmt: skip
+        return [name for name in DECODE_VARIANTS if on[name]]
+
     def act_block_n(self, tuned_block_n: int, num_warps: int) -> int:
         """The fused activation's N tile in the naive form, from the gate/up expand's tuned one:
         capped at `act_columns_per_warp` a warp under the `act_tile_cap` variant."""

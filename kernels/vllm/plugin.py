@@ -153,8 +153,8 @@ def _patch() -> PluginState:
     patch_triton_experts()
     patch_warm_up()
     runner_guard.install(gpu_worker.Worker, kernels, metadata)
-    variant = " (decode variant: the down shrink in the activation)" if (
-        REGIMES.down_shrink_in_act) else ""  # fmt: skip
+    variants = REGIMES.decode_variants()
+    variant = f"; decode variants {', '.join(variants)}" if variants else ""
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
              "fused into SiLU-and-mul, beside the base GEMMs at prefill, in order at decode%s), "
              "add_lora_linear, moe_lora_align_block_size and the LoRA batch metadata (pid %d)",

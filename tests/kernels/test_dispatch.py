@@ -122,6 +122,11 @@ def test_decode_variants_come_from_the_environment() -> None:
     assert on == dataclasses.replace(Regimes(), down_shrink_in_act=True)
     both = regimes_for({DECODE_VARIANT_ENV: "act_tile_cap,down_shrink_in_act"})
     assert both == dataclasses.replace(on, act_columns_per_warp=16)
+    assert (Regimes().decode_variants(), on.decode_variants(), both.decode_variants()) == (
+        [],
+        ["down_shrink_in_act"],
+        ["down_shrink_in_act", "act_tile_cap"],
+    )
     with pytest.raises(
         ValueError,
         match=r"unknown \['moe_inline'\]; known: \['down_shrink_in_act', 'act_tile_cap'\]",

@@ -202,19 +202,28 @@ def test_down_call_takes_the_shrink_the_activation_ran(
     shrink: its input is zeroed in place first, which would add nothing. A fused entry's call
     takes them too (the GEMV expand over its columns)."""
     _, down, shrunk = _activation_with_down_shrink(name, dtype)
-    before = down["output"].clone()
-    want = down["output"].clone()
-    fused_moe_lora(**{**down, "output": want}, config=down_config, mul_routed_weight=True)
-    down["qcurr_hidden_states"].zero_()
-    with shrunk_down(shrunk):
-        fused_moe_lora(**down, config=down_config, mul_routed_weight=True)
-    got = down["output"]
+    before, want, got = _down_from_cells(down, shrunk, down_config)
     delta = (want.double() - before.double()).norm()
     if CASES[name].no_adapter == 1.0:  # no pair on LoRA: neither call writes
         assert delta == 0 and torch.equal(got, before)
         return
     err = float((got.double() - want.double()).norm() / delta)
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def _down_from_cells(
+    down: dict[str, Any], shrunk: ShrunkDown, config: MoeLoraConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the output before, what the whole down op makes of it, what the call inside
+    `shrunk_down` makes of it after its input was zeroed in place): the LoRA the latter adds
+    can come from the activation's cells only."""
+    before = down["output"].clone()
+    want = down["output"].clone()
+    fused_moe_lora(**{**down, "output": want}, config=config, mul_routed_weight=True)
+    down["qcurr_hidden_states"].zero_()
+    with shrunk_down(shrunk):
+        fused_moe_lora(**down, config=config, mul_routed_weight=True)
+    return before, want, down["output"]
 
 
 def test_down_shrink_serves_only_its_own_call() -> None:
@@ -251,12 +260,7 @@ def test_under_the_tile_cap_the_activation_and_its_down_shrink_keep_their_number
     _, down, shrunk = _activation_with_down_shrink(name, dtype)
     width = down["qcurr_hidden_states"].shape[1]
     assert shrunk.tiles == -(-width // 16)
-    before = down["output"].clone()
-    want = down["output"].clone()
-    fused_moe_lora(**{**down, "output": want}, config=GEMV_BOTH, mul_routed_weight=True)
-    down["qcurr_hidden_states"].zero_()
-    with shrunk_down(shrunk):
-        fused_moe_lora(**down, config=GEMV_BOTH, mul_routed_weight=True)
+    before, want, got = _down_from_cells(down, shrunk, GEMV_BOTH)
     delta = (want.double() - before.double()).norm()
-    err = float((down["output"].double() - want.double()).norm() / delta)
+    err = float((got.double() - want.double()).norm() / delta)
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
