@@ -13,17 +13,7 @@ candidates a batch gets).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-
-# Decode variants under A/B on the GPU (docs/kernels.md, "The down shrink inside the
-# activation"): a comma-separated list of DECODE_VARIANTS' names, read once, here, into REGIMES.
-# The environment, not loraplex's settings: the kernels run in vLLM's engine and worker processes,
-# which inherit it and never load those (as the plugin's own switch, `plugin.ENV_SWITCH`). Off by
-# default until measured.
-DECODE_VARIANT_ENV = "LORAPLEX_DECODE_VARIANT"
-DECODE_VARIANTS = ("down_shrink_in_act", "act_tile_cap")
 
 
 @dataclass(frozen=True)
@@ -58,27 +48,16 @@ class Regimes:
     # 211.32 tok/s per request with the dense LoRA in one launch, docs/kernels.md), and the
     # tuner's prefill candidates from it.
     prefill_min_pairs: int = 8192
-    # Decode variant `down_shrink_in_act`: in the naive form the fused activation also writes the
-    # down LoRA's shrink, so the down call launches its expand alone (one launch less a layer).
-    down_shrink_in_act: bool = False
-    # Decode variant `act_tile_cap`: in the naive form the fused activation's N tile is at most
-    # this many columns a warp, where it takes the gate/up expand's tuned tile otherwise (up to
-    # 1,024 columns on 4 warps for GPT-OSS). ptxas for sm_90 (Triton 3.9, docs/kernels.md): at
-    # 4 warps swigluoai's program holds 229 registers at 64 columns and none spill, 255 with 28
-    # bytes spilled at 128, and 7.2 KB of stack with ~19 KB of spill stores at 1,024.
-    act_columns_per_warp: int | None = None
-
-    def decode_variants(self) -> list[str]:
-        """The names of the decode variants this table has on (DECODE_VARIANTS' order)."""
-        on = {"down_shrink_in_act": self.down_shrink_in_act,
-              "act_tile_cap": self.act_columns_per_warp is not None}  # fmt: skip
-        return [name for name in DECODE_VARIANTS if on[name]]
+    # The fused gate/up-expand + activation's N tile in the naive form: the gate/up expand's tuned
+    # tile (tuned for the GEMV expand, which holds one B tile; up to 1,024 columns on 4 warps for
+    # GPT-OSS), at most this many columns a warp (the activation holds two). ptxas for sm_90
+    # (Triton 3.9): at 4 warps swigluoai's program holds 229 registers at 64 columns and spills
+    # nothing, 255 with 28 bytes spilled at 128, 7.2 KB of stack and ~19 KB of spill stores at
+    # 1,024. GPT-OSS decode on an H100: 173.70 -> 180.81 tok/s per request (docs/kernels.md).
+    act_columns_per_warp: int = 16
 
     def act_block_n(self, tuned_block_n: int, num_warps: int) -> int:
-        """The fused activation's N tile in the naive form, from the gate/up expand's tuned one:
-        capped at `act_columns_per_warp` a warp under the `act_tile_cap` variant."""
-        if self.act_columns_per_warp is None:
-            return tuned_block_n
+        """The fused activation's N tile in the naive form, from the gate/up expand's tuned one."""
         return min(tuned_block_n, self.act_columns_per_warp * num_warps)
 
     def dense_gemv(self, tokens: int) -> bool:
@@ -131,19 +110,4 @@ class Regimes:
         return pairs >= self.prefill_min_pairs
 
 
-def regimes_for(environ: Mapping[str, str]) -> Regimes:
-    """The table with the decode variants named in environ[DECODE_VARIANT_ENV] (unset or empty:
-    none). Raises ValueError naming the unknown names and the known ones."""
-    raw = environ.get(DECODE_VARIANT_ENV, "")
-    names = {part.strip() for part in raw.split(",") if part.strip()}
-    if unknown := sorted(names - set(DECODE_VARIANTS)):
-        raise ValueError(
-            f"{DECODE_VARIANT_ENV}={raw!r}: unknown {unknown}; known: {list(DECODE_VARIANTS)}"
-        )
-    return Regimes(
-        down_shrink_in_act="down_shrink_in_act" in names,
-        act_columns_per_warp=16 if "act_tile_cap" in names else None,
-    )
-
-
-REGIMES = regimes_for(os.environ)
+REGIMES = Regimes()

@@ -71,7 +71,6 @@ from bench.e2e.shapes import (
     make_model,
 )
 from bench.e2e.traces import summarize_traces
-from loraplex.kernels.dispatch import DECODE_VARIANT_ENV
 from loraplex.kernels.vllm.plugin import ENV_SWITCH, compile_cache_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -656,17 +655,13 @@ def main() -> None:
         row["vllm_lora_env"] = lora_env
     if ns.lora_targets:
         row["lora_target_modules"] = ns.lora_targets
-    # A decode variant under A/B (the plugin's processes read it at import: kernels/dispatch.py).
-    if variant := os.environ.get(DECODE_VARIANT_ENV, "").strip():
-        row["variant"] = variant
     # The engine core in this process (host profiles, or set by hand to see whether requests
     # reaching a separate engine core one by one split a prefill into more steps).
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         row["engine_in_process"] = True
     tp = f"-tp{ns.tp}" if ns.tp > 1 else ""
     targets = "-targets" if "lora_target_modules" in row else ""
-    variant = f"-{row['variant'].replace(',', '+')}" if "variant" in row else ""
-    name = label + variant if model == "check" else f"{ns.mode}-{model}{tp}{targets}{variant}"
+    name = label if model == "check" else f"{ns.mode}-{model}{tp}{targets}"
     (ns.out / f"e2e_{name}.json").write_text(json.dumps(row, indent=1) + "\n")
     print("RESULT", json.dumps(row), flush=True)
 

@@ -28,10 +28,6 @@
 #   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU
 #      kernel tests on GPU 1 (bench/kernels/run_device.sh tests: carry .whl); the TP=2 check is
 #      part c's
-#   v  the decode variants under A/B (LORAPLEX_DECODE_VARIANT): the plugin with act_tile_cap,
-#      with both, then with down_shrink_in_act (VARIANTS, a list of settings, picks others),
-#      GPT-OSS shape on GPU 0 | Qwen3 shape on GPU 1; ratios over part a's base and plugin rows
-#      of the same machine, so run a (or its lane) first on it
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
 # a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
@@ -204,23 +200,8 @@ case "$part" in
       tail -n 3 "$work/kernel-tests.log" | tee -a "$report"
     }
     lanes ;;
-  v)
-    # variants MODEL: the plugin with each of VARIANTS in turn (most promising first); the first
-    # run may start cold (300 s), the others on its caches.
-    variants() {
-      local model=$1 v limit=300
-      shift
-      # shellcheck disable=SC2086 # VARIANTS is a list of variant settings
-      for v in ${VARIANTS:-act_tile_cap act_tile_cap,down_shrink_in_act down_shrink_in_act}; do
-        (export LORAPLEX_DECODE_VARIANT=$v && bench "plugin-$model-${v/,/+}" $limit plugin "$@")
-        limit=240
-      done
-    }
-    lane0() { variants oss "${oss[@]}"; }
-    lane1() { variants qwen "${qwen[@]}"; }
-    lanes ;;
   *)
-    echo "unknown part $part (a b c d e f g t k v)" >&2
+    echo "unknown part $part (a b c d e f g t k)" >&2
     exit 2 ;;
 esac
 

@@ -29,19 +29,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora.act import (
-    down_tiles,
     expand_silu_and_mul,
     expand_swigluoai_and_mul,
     fits,
 )
-from loraplex.kernels.ops.moe_lora.op import (
-    ShrunkDown,
-    SplitExpand,
-    defer_gate_up_expand,
-    shrunk_down,
-)
+from loraplex.kernels.ops.moe_lora.op import SplitExpand, defer_gate_up_expand
 from loraplex.kernels.vllm.side_stream import (
     READY,
     SideGateUp,
@@ -61,9 +54,6 @@ BESIDE = "_loraplex_down_beside"
 # from that call to the activation: the gate/up LoRA work launched on the side stream.
 INPUTS_READY = "_loraplex_inputs_ready"
 GATE_UP_SIDE = "_loraplex_gate_up_side"
-# From the activation to the down call: the down LoRA's shrink the activation ran
-# (`down_shrink_in_act`).
-SHRUNK = "_loraplex_shrunk_down"
 
 
 def _batch_has_adapters(lora_context: Any) -> bool:
@@ -71,21 +61,6 @@ def _batch_has_adapters(lora_context: Any) -> bool:
     step without, vLLM's LoRA calls return before their kernels, so the step goes vLLM's way:
     a down LoRA beside the GEMM would leave its delta unwritten, and `moe_sum` add it."""
     return not bool(lora_context.punica_wrapper.token_mapping_meta.no_lora_flag_cpu[0])
-
-
-def _down_a_for_activation(experts: Any, expand: SplitExpand, out: Any) -> Any:
-    """The down call's A where the fused activation is to run its shrink: under the
-    `down_shrink_in_act` decode variant, for a down LoRA of one A our op serves (not fully
-    sharded) that `act.down_tiles` takes; else None."""
-    if not REGIMES.down_shrink_in_act:
-        return None
-    context = getattr(experts, "_lora_context", None)
-    if context is None or getattr(context, "fully_sharded", True):
-        return None
-    down_a = tuple(context.w2_lora_a_stacked)
-    if len(down_a) != 1 or down_tiles(expand, out, down_a[0]) is None:
-        return None
-    return down_a[0]
 
 
 def _join_gate_up_side(experts: Any) -> None:
@@ -115,7 +90,7 @@ def fused_methods(
         expert_map: Any = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
         inputs = self.__dict__.pop(INPUTS_READY, None)
-        for key in (PENDING, BESIDE, READY, SHRUNK):
+        for key in (PENDING, BESIDE, READY):
             self.__dict__.pop(key, None)
         _join_gate_up_side(self)
         drop_side(self)
@@ -137,9 +112,7 @@ def fused_methods(
         self.__dict__[BESIDE] = True
         return routing
 
-    def fused_activation(
-        self: Any, kind: Any, expand: SplitExpand
-    ) -> Callable[..., ShrunkDown | None] | None:
+    def fused_activation(self: Any, kind: Any, expand: SplitExpand) -> Callable[..., None] | None:
         """The fused form of this activation on the expand's layout, if there is one."""
         if kind == silu and expand.slices() == 2:
             # SiLU with a clamp limit is another kernel; an unknown config is not unclamped.
@@ -156,10 +129,7 @@ def fused_methods(
         if len(pending) == 1 and fits(pending[0], input, output):
             fused = fused_activation(self, kind, pending[0])
         if fused is not None:
-            down_a = _down_a_for_activation(self, pending[0], output)
-            shrunk: ShrunkDown | None = fused(pending[0], output, down_a)
-            if shrunk is not None:
-                self.__dict__[SHRUNK] = shrunk
+            fused(pending[0], output)
         else:
             for expand in pending:
                 expand.launch()
@@ -167,20 +137,9 @@ def fused_methods(
         if self.__dict__.pop(BESIDE, False) and (ready := mark_ready(output)):
             self.__dict__[READY] = ready
 
-    side_apply_w2_lora, side_moe_sum = side_methods(apply_w2_lora, moe_sum)
-
-    def shrunk_apply_w2_lora(self: Any, lora_context: Any, **call: Any) -> None:
-        shrunk = self.__dict__.pop(SHRUNK, None)
-        if READY in self.__dict__:
-            # The down LoRA may go beside (prefill sizes), where the cells' buffer, freed on
-            # the main stream, would not outlive the side stream's read: it runs whole there.
-            shrunk = None
-        with shrunk_down(shrunk):
-            side_apply_w2_lora(self, lora_context, **call)
-
     fusing_activation._loraplex = True  # type: ignore[attr-defined]  # marks the patch as done
-    return (marking_apply, deferring_apply_w13_lora, fusing_activation, shrunk_apply_w2_lora,
-            side_moe_sum)  # fmt: skip
+    return (marking_apply, deferring_apply_w13_lora, fusing_activation,
+            *side_methods(apply_w2_lora, moe_sum))  # fmt: skip
 
 
 # fused_methods' order

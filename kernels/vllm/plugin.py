@@ -105,7 +105,6 @@ def _patch() -> PluginState:
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.v1.worker import gpu_worker
 
-    from loraplex.kernels.dispatch import REGIMES
     from loraplex.kernels.vllm import runner_guard
     from loraplex.kernels.vllm.batch_metadata import update_metadata
     from loraplex.kernels.vllm.custom_ops import (
@@ -153,12 +152,10 @@ def _patch() -> PluginState:
     patch_triton_experts()
     patch_warm_up()
     runner_guard.install(gpu_worker.Worker, kernels, metadata)
-    variants = REGIMES.decode_variants()
-    variant = f"; decode variants {', '.join(variants)}" if variants else ""
     log.info("loraplex MoE-LoRA kernels: serving vLLM %s fused_moe_lora (its gate/up expand "
-             "fused into SiLU-and-mul, beside the base GEMMs at prefill, in order at decode%s), "
+             "fused into SiLU-and-mul, beside the base GEMMs at prefill, in order at decode), "
              "add_lora_linear, moe_lora_align_block_size and the LoRA batch metadata (pid %d)",
-             version, variant, os.getpid())  # fmt: skip
+             version, os.getpid())  # fmt: skip
     return PluginState.PATCHED
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from loraplex.kernels.dispatch import DECODE_VARIANT_ENV, REGIMES, Regimes, regimes_for
+from loraplex.kernels.dispatch import REGIMES, Regimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,30 +113,8 @@ def test_the_three_prefill_boundaries_move_together() -> None:
     assert regime == {511: REGIME["decode"], 512: REGIME["first prefill"], 513: REGIME["prefill"]}
 
 
-def test_decode_variants_come_from_the_environment() -> None:
-    """LORAPLEX_DECODE_VARIANT names the variants under A/B; none by default; an unknown name
-    is refused with the known ones."""
-    assert regimes_for({}) == Regimes()
-    assert not Regimes().down_shrink_in_act
-    on = regimes_for({DECODE_VARIANT_ENV: " down_shrink_in_act ,"})
-    assert on == dataclasses.replace(Regimes(), down_shrink_in_act=True)
-    both = regimes_for({DECODE_VARIANT_ENV: "act_tile_cap,down_shrink_in_act"})
-    assert both == dataclasses.replace(on, act_columns_per_warp=16)
-    assert (Regimes().decode_variants(), on.decode_variants(), both.decode_variants()) == (
-        [],
-        ["down_shrink_in_act"],
-        ["down_shrink_in_act", "act_tile_cap"],
-    )
-    with pytest.raises(
-        ValueError,
-        match=r"unknown \['moe_inline'\]; known: \['down_shrink_in_act', 'act_tile_cap'\]",
-    ):
-        regimes_for({DECODE_VARIANT_ENV: "down_shrink_in_act,moe_inline"})
-
-
-def test_the_activation_tile_cap_bounds_columns_per_warp() -> None:
-    """Without the act_tile_cap variant the activation takes the tuned tile; with it, at most 16
-    columns a warp (GPT-OSS's 1,024 columns on 4 warps become 64; smaller tiles stay)."""
-    assert Regimes().act_block_n(1024, 4) == 1024
-    capped = regimes_for({DECODE_VARIANT_ENV: "act_tile_cap"})
-    assert [capped.act_block_n(n, w) for n, w in ((1024, 4), (1024, 8), (32, 4))] == [64, 128, 32]
+def test_the_activation_tile_is_at_most_16_columns_a_warp() -> None:
+    """The fused activation's naive-form tile: GPT-OSS's tuned 1,024 columns on 4 warps become
+    64, on 8 warps 128; a smaller tuned tile stays."""
+    tiles = [REGIMES.act_block_n(n, w) for n, w in ((1024, 4), (1024, 8), (32, 4))]
+    assert tiles == [64, 128, 32]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,12 +16,7 @@ from loraplex.kernels.ops.moe_lora.act import (
     expand_swigluoai_and_mul,
 )
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
-from loraplex.kernels.ops.moe_lora.op import (
-    ShrunkDown,
-    SplitExpand,
-    defer_gate_up_expand,
-    fused_moe_lora,
-)
+from loraplex.kernels.ops.moe_lora.op import SplitExpand, defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.ops.moe_lora.reference import (
     expand_silu_and_mul_reference,
     expand_swigluoai_and_mul_reference,
@@ -205,36 +199,13 @@ def _cpu_args(args: dict[str, Any]) -> dict[str, Any]:
     return cpu_args
 
 
-def fused_activation(
-    expand: SplitExpand, out: torch.Tensor, down_a: torch.Tensor | None = None
-) -> ShrunkDown | None:
+def fused_activation(expand: SplitExpand, out: torch.Tensor) -> None:
     """The plugin's fused activation for the call's layout: SiLU-and-mul for two slices side by
     side (Qwen3), swigluoai at vLLM's alpha and limit for one slice interleaved (GPT-OSS)."""
     if expand.slices() == 2:
-        return expand_silu_and_mul(expand, out, down_a)
-    return expand_swigluoai_and_mul(expand, out, down_a)
-
-
-# The down call's output width in `down_call` (H): not a multiple of the kernels' tiles.
-DOWN_WIDTH = 40
-
-
-def down_call(
-    gate_up_args: dict[str, Any], x: torch.Tensor, case: Case, dtype: torch.dtype, device: str,
-    seed: int,
-) -> dict[str, Any]:  # fmt: skip
-    """The down call vLLM makes after a gate/up call (`gate_up_call`) and its activation `x`
-    (pairs, I): its own A (L, E, R, I) and B (L, E, DOWN_WIDTH, R), the routing weights
-    multiplied in, and the gate/up call's routing tensors themselves."""
-    down_case = dataclasses.replace(case, k=x.shape[1], n=DOWN_WIDTH, slices=1,
-                                    mul_routed_weight=True)  # fmt: skip
-    args = make_inputs(down_case, dtype, device, seed)
-    for key in ("sorted_token_ids", "expert_ids", "num_tokens_post_padded", "token_lora_mapping",
-                "lora_ids", "num_active_loras", "adapter_enabled", "topk_weights"):  # fmt: skip
-        args[key] = gate_up_args[key]
-    args["qcurr_hidden_states"] = x
-    args["output"] = args["output"][..., :DOWN_WIDTH]
-    return args
+        expand_silu_and_mul(expand, out)
+    else:
+        expand_swigluoai_and_mul(expand, out)
 
 
 # A GPT-OSS-like buffer: values past swigluoai's limit (7) on both sides, so its clamps act.

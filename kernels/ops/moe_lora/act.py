@@ -16,15 +16,15 @@ import triton
 
 from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora.act_kernels import moe_lora_expand_silu_and_mul_kernel
-from loraplex.kernels.ops.moe_lora.op import ShrunkDown, SplitExpand
+from loraplex.kernels.ops.moe_lora.op import SplitExpand
 
 # Launch shape in the sorted form (prefill), not the expand's config: rows per chunk, N tile,
 # warps, and pairs per plain program. H200, Qwen3-30B-A3B gate/up at 9,216 to 25,600 tokens:
 # 16-row chunks of 128 columns on 4 warps took 152-355 us against 205-499 for programs over all
 # six N tiles; none of 21 other shapes, nor a register cap, was faster (docs/kernels.md). With no
 # pair on LoRA, plain programs of 32 pairs took 310-338 us at 25,600 tokens, of 64 344-383 us.
-# Decode (naive form: one pair per unit) keeps the expand's N tile and warps, the tile capped
-# under the act_tile_cap decode variant (kernels/dispatch.py).
+# Decode (naive form: one pair per unit) keeps the expand's warps and N tile, the tile capped
+# (`Regimes.act_block_n`).
 SORTED_CHUNK = 16
 SORTED_BLOCK_N = 128
 SORTED_WARPS = 4
@@ -56,57 +56,27 @@ def fits(expand: SplitExpand, gate_up: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
-def expand_silu_and_mul(
-    expand: SplitExpand, out: torch.Tensor, down_a: torch.Tensor | None = None
-) -> ShrunkDown | None:
+def expand_silu_and_mul(expand: SplitExpand, out: torch.Tensor) -> None:
     """out[p, :] = SiLU(gate[p] + dgate[p]) * (up[p] + dup[p]), where gate, up are the two halves
     of the expand's output (read, not written) and dgate, dup its LoRA deltas (zero for pairs
     without LoRA). out: (pairs, N) in the output's dtype. Raises ValueError unless `fits` and
-    the call has two slices. With `down_a` see `down_tiles`."""
+    the call has two slices."""
     _check(expand, out, slices=2)
-    return _launch(expand, out, swigluoai=False, alpha=0.0, limit=0.0, down_a=down_a)
+    _launch(expand, out, swigluoai=False, alpha=0.0, limit=0.0)
 
 
 def expand_swigluoai_and_mul(
-    expand: SplitExpand, out: torch.Tensor, down_a: torch.Tensor | None = None,
-    alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT,
-) -> ShrunkDown | None:  # fmt: skip
+    expand: SplitExpand, out: torch.Tensor, alpha: float = SWIGLUOAI_ALPHA,
+    limit: float = SWIGLUOAI_LIMIT,
+) -> None:  # fmt: skip
     """out[p, j] = swigluoai(gate_up[p, 2j] + d[p, 2j], gate_up[p, 2j + 1] + d[p, 2j + 1]) as
     vLLM's swigluoai_and_mul computes it (gate clamped to <= limit, up to [-limit, limit],
     gate * sigmoid(alpha * gate) * (up + 1)), where gate_up is the expand's output of one slice
     of 2I columns (read, not written) and d its LoRA delta (zero for pairs without LoRA).
     out: (pairs, I) in the output's dtype. Raises ValueError unless `fits` and the call has one
-    slice. With `down_a` see `down_tiles`."""
+    slice."""
     _check(expand, out, slices=1)
-    return _launch(expand, out, swigluoai=True, alpha=alpha, limit=limit, down_a=down_a)
-
-
-def down_tiles(expand: SplitExpand, out: torch.Tensor, down_a: torch.Tensor) -> int | None:
-    """The N tiles over which the fused activation can also run the down LoRA's shrink, the
-    `down_shrink_in_act` decode variant: given the down call's A (L, E, R, I) of the same rank,
-    in the naive form (one pair per program) the activation returns a `ShrunkDown`, the
-    partial products of out @ A.T per tile, for `op.shrunk_down`. None where it cannot."""
-    slots, experts, rank, width = down_a.shape
-    fits_a = (
-        width == out.shape[1]
-        and rank == expand.rank
-        and slots == expand.lengths[6]  # the slots the kernels take as max_loras
-        and experts == expand.b0.shape[1]
-        and down_a.dtype == out.dtype
-        and down_a.device == out.device
-    )
-    if expand.sorted_form or not fits_a:
-        return None
-    return triton.cdiv(width, _launch_shape(expand)[0])
-
-
-def _launch_shape(expand: SplitExpand) -> tuple[int, int]:
-    """(N tile, warps): SORTED_* in the sorted form; in the naive form the gate/up expand's
-    tuned ones, the tile capped under the `act_tile_cap` decode variant (`REGIMES`)."""
-    if expand.sorted_form:
-        return SORTED_BLOCK_N, SORTED_WARPS
-    config = expand.config
-    return REGIMES.act_block_n(config.block_n, config.num_warps), config.num_warps
+    _launch(expand, out, swigluoai=True, alpha=alpha, limit=limit)
 
 
 def _check(expand: SplitExpand, out: torch.Tensor, slices: int) -> None:
@@ -120,40 +90,26 @@ def _check(expand: SplitExpand, out: torch.Tensor, slices: int) -> None:
 
 
 def _launch(
-    expand: SplitExpand, out: torch.Tensor, swigluoai: bool, alpha: float, limit: float,
-    down_a: torch.Tensor | None,
-) -> ShrunkDown | None:  # fmt: skip
+    expand: SplitExpand, out: torch.Tensor, swigluoai: bool, alpha: float, limit: float
+) -> None:
     gate_up = expand.out2d
     n = gate_up.shape[1] // 2  # columns of gate (and of up) per pair
     config = expand.config
-    block_n, warps = _launch_shape(expand)
+    block_n, warps = SORTED_BLOCK_N, SORTED_WARPS
+    if not expand.sorted_form:
+        warps = config.num_warps
+        block_n = REGIMES.act_block_n(config.block_n, warps)
     num_pairs = expand.lengths[0]
     lora_programs = expand.lengths[4] * triton.cdiv(n, block_n)
     grid = (lora_programs + triton.cdiv(num_pairs, PLAIN_ROWS),)
     use_pdl = expand.pdl_here()
     pdl_kwargs = {"launch_pdl": True} if use_pdl else {}
-    tiles = None if down_a is None else down_tiles(expand, out, down_a)
-    if down_a is not None and tiles is None:
-        raise ValueError(
-            f"down A {tuple(down_a.shape)} {down_a.dtype} does not fit the activation's output "
-            f"{tuple(out.shape)} {out.dtype} at rank {expand.rank} in the naive form"
-        )
-    down = None
-    if tiles is not None:
-        assert down_a is not None
-        ws = torch.empty((num_pairs, tiles, expand.block_r), dtype=torch.float32,
-                         device=out.device)  # fmt: skip
-        down = ShrunkDown(out, down_a, ws, tiles, expand.routing)
-    down_a_arg = down_a if down_a is not None else expand.b0  # never read without DOWN_SHRINK
-    down_ws_arg = down.ws if down is not None else expand.ws
     moe_lora_expand_silu_and_mul_kernel[grid](
-        expand.ws, expand.b0, expand.b1, gate_up, out, down_a_arg, down_ws_arg, *expand.routing,
-        n, *expand.lengths, lora_programs, alpha, limit, *expand.b0.stride(), *gate_up.stride(),
-        *out.stride(), *expand.routing_strides, *down_a_arg.stride(),
+        expand.ws, expand.b0, expand.b1, gate_up, out, *expand.routing, n, *expand.lengths,
+        lora_programs, alpha, limit, *expand.b0.stride(), *gate_up.stride(), *out.stride(),
+        *expand.routing_strides,
         SORTED=expand.sorted_form, BLOCK_M=expand.block_m, LORA_PAD=expand.lora_pad,
         BLOCK_R=expand.block_r, RANK=expand.rank, BLOCK_N=block_n, SPLIT_K=config.split_k,
         WS_ROWS=expand.ws_rows, CHUNK=min(SORTED_CHUNK, expand.block_m), PLAIN_ROWS=PLAIN_ROWS,
-        USE_PDL=use_pdl, SWIGLUOAI=swigluoai, DOWN_SHRINK=down is not None, num_warps=warps,
-        num_stages=2, **pdl_kwargs,
+        USE_PDL=use_pdl, SWIGLUOAI=swigluoai, num_warps=warps, num_stages=2, **pdl_kwargs,
     )  # fmt: skip
-    return down

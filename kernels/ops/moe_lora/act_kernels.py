@@ -27,10 +27,6 @@ Two layouts of vLLM's gate/up call, each with its activation (SWIGLUOAI, a const
   buffer's tiles load as one contiguous (rows, N tile, 2) tile split into gate and up, B's gate
   and up rows go by a doubled row stride, and both share the one shrink's partials.
 
-Under the `down_shrink_in_act` decode variant (naive form only) a LoRA program also multiplies
-its activated columns by the down LoRA's A and writes the partial products, which the down call's
-expand sums (`op.shrunk_down`): the down call then launches no shrink.
-
 Rounding follows the unfused path: the LoRA sum is rounded to the buffer's dtype (as the expand
 stores it); then vLLM's `silu_and_mul` rounds SiLU's result to that dtype and then the product,
 and its `swigluoai_and_mul` computes in float from the buffer's values and rounds once.
@@ -159,7 +155,7 @@ def _gemv_activation(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_u
                      SWIGLUOAI: tl.constexpr):  # fmt: skip
     """A naive-form LoRA program: one pair, so its row as vectors, not a 16-row tile of which
     one row is real (`gemv_kernels`). The buffer row loads before the PDL wait, as the
-    expand's output tile does. Returns the activated columns as stored."""
+    expand's output tile does."""
     nmask = offs_n < N
     row = gate_up_ptr + pair.to(tl.int64) * stride_gm
     if SWIGLUOAI:
@@ -177,9 +173,8 @@ def _gemv_activation(pair, pair_ws, slice_cells, b_gate, b_up, offs_n, N, gate_u
     else:
         gate += gemv_delta(b_gate, gemv_partials(pair_ws, SPLIT_K, BLOCK_R)).to(gate.dtype)
         up += gemv_delta(b_up, gemv_partials(pair_ws + slice_cells, SPLIT_K, BLOCK_R)).to(up.dtype)
-    activated = _activation(gate, up, alpha, limit, SWIGLUOAI)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on, activated, mask=nmask)
-    return activated
+    out = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
+    tl.store(out, _activation(gate, up, alpha, limit, SWIGLUOAI), mask=nmask)
 
 
 @triton.jit(do_not_specialize=[*MOE_BATCH_ARGS, "lora_programs"])
@@ -189,8 +184,6 @@ def moe_lora_expand_silu_and_mul_kernel(
     b1_ptr,
     gate_up_ptr,
     out_ptr,
-    down_a_ptr,
-    down_ws_ptr,
     sorted_ptr,
     expert_ids_ptr,
     ntpp_ptr,
@@ -218,10 +211,6 @@ def moe_lora_expand_silu_and_mul_kernel(
     stride_on,
     stride_sl,
     stride_el,
-    stride_dl,
-    stride_de,
-    stride_dr,
-    stride_dk,
     SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     LORA_PAD: tl.constexpr,
@@ -234,21 +223,13 @@ def moe_lora_expand_silu_and_mul_kernel(
     PLAIN_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
     SWIGLUOAI: tl.constexpr,
-    DOWN_SHRINK: tl.constexpr,
 ):
     """out[p, n] = SiLU(gate_up[p, n] + dg[p, n]) x (gate_up[p, N + n] + du[p, n]), where
     (dg, du) = (sum_ks ws[s, unit, ks, row]) @ B[s][slot, expert].T for pairs with LoRA and 0
     for the others; gate_up (pairs, 2N) is only read. With SWIGLUOAI:
     out[p, n] = swigluoai(gate_up[p, 2n] + d[p, 2n], gate_up[p, 2n + 1] + d[p, 2n + 1]) with
     d = (sum_ks ws[0, unit, ks, row]) @ B[0][slot, expert].T (B of 2N rows), alpha and limit
-    as vLLM's op takes them.
-
-    With DOWN_SHRINK (naive form only), each LoRA program also writes the down LoRA's shrink
-    over its N tile: down_ws[p, tile, :] = out[p, tile] @ down_A[slot, expert][:, tile].T
-    (fp32), the partial products the down call's GEMV expand sums as its SPLIT_K ranges
-    (`op.shrunk_down`), so that call launches no shrink of its own."""
-    # At the top: on the GPU the code after the naive branch's return is still compiled.
-    tl.static_assert(not (SORTED and DOWN_SHRINK))
+    as vLLM's op takes them."""
     pid = tl.program_id(0)
     if pid >= lora_programs:
         pairs = (pid - lora_programs) * PLAIN_ROWS + tl.arange(0, PLAIN_ROWS)
@@ -291,23 +272,9 @@ def moe_lora_expand_silu_and_mul_kernel(
     unit_ws = ws_ptr + unit.to(tl.int64) * SPLIT_K * (WS_ROWS * BLOCK_R)
     if not SORTED:
         tl.static_assert(WS_ROWS == 1)
-        activated = _gemv_activation(
-            unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr, out_ptr, stride_gm,
-            stride_gn, stride_om, stride_on, alpha, limit, SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI,
-        )  # fmt: skip
-        if DOWN_SHRINK:
-            # A loads after the activation, when B's tiles are dead: at the tuned decode tiles
-            # (up to 1,024 columns) A's tile beside both of B's would spill.
-            offs_r = tl.arange(0, BLOCK_R)
-            down_a_base = slice_base(down_a_ptr, down_a_ptr, 0, slot, expert, stride_dl,
-                                     stride_de)  # fmt: skip
-            down_a = tl.load(
-                down_a_base + offs_r[:, None] * stride_dr + offs_n[None, :] * stride_dk,
-                mask=(offs_r < RANK)[:, None] & (offs_n < N)[None, :], other=0.0,
-            )  # fmt: skip
-            partial = tl.sum(down_a.to(tl.float32) * activated.to(tl.float32)[None, :], 1)
-            cell = (unit.to(tl.int64) * n_tiles + tile) * BLOCK_R
-            tl.store(down_ws_ptr + cell + offs_r, partial)
+        _gemv_activation(unit, unit_ws, slice_cells, b_gate, b_up, offs_n, N, gate_up_ptr,
+                         out_ptr, stride_gm, stride_gn, stride_om, stride_on, alpha, limit,
+                         SPLIT_K, BLOCK_R, USE_PDL, SWIGLUOAI)  # fmt: skip
         return
     # Sorted blocks are filled from row 0: the chunks run up to the last real pair.
     all_pairs = unit_rows(slot, blk, 0, sorted_ptr, num_pairs, em, stride_sl, SORTED, BLOCK_M,

@@ -11,7 +11,6 @@ op can be captured in CUDA graphs; grids depend on shapes only.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -176,6 +175,12 @@ def fused_moe_lora(
     if config is None:
         key = ShapeKey(k, n, len(lora_a), rank, num_experts, top_k_num, sorted_form, str(x.dtype))
         config = lookup(gpu, key, num_pairs, block_m if sorted_form else None)
+    if config.variant == "stock":
+        raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
+    gemv_flags = [name for name in ("gemv_shrink", "gemv_expand") if getattr(config, name)]
+    if gemv_flags and sorted_form:
+        verb = "is" if len(gemv_flags) == 1 else "are"
+        raise ValueError(f"{' and '.join(gemv_flags)} {verb} for the naive routing form only")
     block_r = max(16, triton.next_power_of_2(rank))
     out2d = output.view(num_pairs, output.shape[2])
     a1 = lora_a[-1]
@@ -183,26 +188,6 @@ def fused_moe_lora(
     routing = (sorted_arg, expert_ids, ntpp_arg, token_lora_mapping, lora_ids, adapter_enabled)
     lengths = (num_pairs, top_k_num, num_m_blocks, em, num_units, lora_dim, num_slots)
     lora_pad = max(2, triton.next_power_of_2(lora_ids.numel()))
-    shrunk = _shrunk_down.get()
-    if shrunk is not None and shrunk.serves(x, a0, len(lora_a), routing, sorted_form, num_pairs):
-        # The fused activation ran this call's shrink (`shrunk_down`): the expand alone, its
-        # K ranges the activation's N tiles, whatever the tuned variant (its A has been read).
-        # Not under PDL: the kernel before it is vLLM's down GEMM, which writes the output the
-        # expand reads before its wait.
-        before_output_write()
-        SplitExpand(
-            shrunk.ws.view(1, num_pairs, shrunk.tiles, 1, block_r), b0, b1, out2d,
-            topk_weights, routing, n, lengths, (stride_sl, stride_el), offset, sorted_form,
-            block_m, lora_pad, block_r, rank, shrunk.expand_config(config), 1, 1,
-            mul_routed_weight, add_inputs, None,
-        ).launch()  # fmt: skip
-        return
-    if config.variant == "stock":
-        raise UnsupportedMoeLoraCall("tuned: vLLM's own kernel is faster at this shape and batch")
-    gemv_flags = [name for name in ("gemv_shrink", "gemv_expand") if getattr(config, name)]
-    if gemv_flags and sorted_form:
-        verb = "is" if len(gemv_flags) == 1 else "are"
-        raise ValueError(f"{' and '.join(gemv_flags)} {verb} for the naive routing form only")
     token_factor = 1 if mul_routed_weight else top_k_num
     fuse_slices = config.fuse_slices and len(lora_a) == 2  # one program does gate and up
     slice_programs = 1 if fuse_slices else len(lora_a)
@@ -345,63 +330,6 @@ class SplitExpand:
             ADD_INPUTS=self.add_inputs, USE_PDL=use_pdl, num_stages=3,
             **config.launch_options(), **pdl_kwargs,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ShrunkDown:
-    """The down LoRA's shrink, run by the fused activation (`act.down_tiles`): for each pair
-    with LoRA, ws[pair, tile, :] = act_out[pair, tile] @ A[slot, expert][:, tile].T in fp32,
-    over `tiles` N tiles of the activation; `routing` is the gate/up call's, which the down
-    call shares."""
-
-    x: torch.Tensor  # the activation's output (pairs, I): the down call's input
-    a: torch.Tensor  # the down call's A (L, E, R, I)
-    ws: torch.Tensor  # (pairs, tiles, block_r) fp32
-    tiles: int
-    routing: tuple[torch.Tensor, ...]  # sorted ids, expert ids, ntpp, tlm, lora_ids, enabled
-
-    def serves(
-        self, x: torch.Tensor, a: torch.Tensor, slices: int, routing: tuple[torch.Tensor, ...],
-        sorted_form: bool, num_pairs: int,
-    ) -> bool:  # fmt: skip
-        """Whether a call of input `x`, A `a` and this routing is the one whose shrink this is:
-        one slice, the naive form, the same pairs, and the same input, weights and routing
-        tensors (the cells of a pair without LoRA are never written, so the call must skip the
-        same pairs)."""
-        _, expert_ids, _, tlm, _, enabled = routing
-        _, my_experts, _, my_tlm, _, my_enabled = self.routing
-        same = all(
-            mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape
-            for mine, theirs in ((self.x, x), (self.a, a), (my_experts, expert_ids),
-                                 (my_tlm, tlm), (my_enabled, enabled))
-        )  # fmt: skip
-        return same and slices == 1 and not sorted_form and self.ws.shape[0] == num_pairs
-
-    def expand_config(self, config: MoeLoraConfig) -> MoeLoraConfig:
-        """The config the expand over these cells launches with: a split entry's own expand
-        with the tiles as its K ranges; for a fused or stock entry (whose shrink would have
-        been another kernel) the GEMV expand over the entry's columns, the naive form's."""
-        if config.variant == "split":
-            return dataclasses.replace(config, split_k=self.tiles)
-        return MoeLoraConfig("split", block_k=config.block_k, block_n=config.block_n,
-                             split_k=self.tiles, num_warps=config.num_warps,
-                             gemv_expand=True)  # fmt: skip
-
-
-_shrunk_down: ContextVar[ShrunkDown | None] = ContextVar("loraplex_shrunk_down", default=None)
-
-
-@contextmanager
-def shrunk_down(shrunk: ShrunkDown | None) -> Iterator[None]:
-    """Inside the block, the MoE-LoRA call that `shrunk` serves (`ShrunkDown.serves`) launches
-    its expand over `shrunk`'s partial products instead of its own shrink; any other call runs
-    whole. The vLLM plugin wraps the down call in it after a fused activation that ran the
-    shrink (the `down_shrink_in_act` decode variant)."""
-    token = _shrunk_down.set(shrunk)
-    try:
-        yield
-    finally:
-        _shrunk_down.reset(token)
 
 
 # Set only inside `defer_gate_up_expand()`. A context variable, not an argument: vLLM calls the

@@ -24,12 +24,12 @@ from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
 from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora.act import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
-from loraplex.kernels.ops.moe_lora.op import ShrunkDown, fused_moe_lora
+from loraplex.kernels.ops.moe_lora.op import fused_moe_lora
 from loraplex.kernels.ops.moe_lora.reference import (
     fused_moe_lora_reference,
     swigluoai_and_mul_reference,
 )
-from loraplex.kernels.vllm import fused_experts, side_stream
+from loraplex.kernels.vllm import side_stream
 from loraplex.kernels.vllm.batch_metadata import fill_kernel_meta
 from loraplex.kernels.vllm.fused_experts import GATE_UP_SIDE, PENDING, install
 from tests.support.moe_lora_cases import Case, gate_up_call
@@ -77,7 +77,6 @@ class LoraContext:
     adapter_enabled: torch.Tensor
     max_loras: int
     punica_wrapper: Any
-    w2_lora_a_stacked: tuple[torch.Tensor, ...] = ()
     fully_sharded: bool = False
     aux_stream: Any = None
 
@@ -226,8 +225,7 @@ def _apply(
     experts.quant_config.gemm1_clamp_limit = clamp
     configure(experts)
     punica = SimpleNamespace(token_mapping_meta=meta)
-    lora_context = LoraContext(args["adapter_enabled"], case.adapters, punica, (a2,), **context)
-    experts._lora_context = lora_context  # type: ignore[attr-defined]  # as TritonExperts holds it
+    lora_context = LoraContext(args["adapter_enabled"], case.adapters, punica, **context)
     w2 = torch.empty(case.experts, HIDDEN, inter, device=device)  # only its shape is read
     shared = {"topk_weights": args["topk_weights"], "num_tokens": case.tokens, "w1": None,
               "w2": w2, "top_k_num": case.top_k}  # fmt: skip
@@ -290,40 +288,6 @@ def _apply(
         float((out.double().cpu()[kept] - want_sum).norm() / want_sum.norm()),
         down,
     )
-
-
-@pytest.fixture
-def shrunk_downs(monkeypatch: pytest.MonkeyPatch) -> list[ShrunkDown | None]:
-    """What each down call was wrapped in (`op.shrunk_down`'s argument)."""
-    seen: list[ShrunkDown | None] = []
-    real = fused_experts.shrunk_down
-
-    def recording(shrunk: ShrunkDown | None) -> Any:
-        seen.append(shrunk)
-        return real(shrunk)
-
-    monkeypatch.setattr(fused_experts, "shrunk_down", recording)
-    return seen
-
-
-@pytest.fixture
-def down_shrink_in_act(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The `down_shrink_in_act` decode variant on."""
-    variant = dataclasses.replace(REGIMES, down_shrink_in_act=True)
-    monkeypatch.setattr(fused_experts, "REGIMES", variant)
-
-
-def _record_serves(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """What `ShrunkDown.serves` answers from now on, call by call."""
-    served: list[bool] = []
-    real_serves = ShrunkDown.serves
-
-    def recording_serves(self: ShrunkDown, *args: Any) -> bool:
-        served.append(real_serves(self, *args))
-        return served[-1]
-
-    monkeypatch.setattr(ShrunkDown, "serves", recording_serves)
-    return served
 
 
 def _down_ran_in_order(applied: Applied) -> bool:
@@ -536,26 +500,6 @@ def test_a_decode_batch_keeps_both_loras_in_order_eagerly_and_in_a_cuda_graph(
     assert applied.sum_error < 2e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("kind", "case"), FLOWS[::2], ids=FLOW_IDS[::2])
-def test_the_down_shrink_variant_in_a_cuda_graph_keeps_the_specs_numbers(
-    classes: Any, kind: Act, case: Case, down_shrink_in_act: None,
-    shrunk_downs: list[ShrunkDown | None], monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """`down_shrink_in_act` on a decode batch in bf16, eagerly and captured: the down call
-    takes the activation's shrink both times and the sum is the spec's."""
-    served = _record_serves(monkeypatch)
-    runs = [_apply(classes[0], kind, device="cuda", dtype=torch.bfloat16, seed=3, case=case,
-                   graph=graph) for graph in (False, True)]  # fmt: skip
-    torch.cuda.synchronize()
-    assert [type(shrunk) for shrunk in shrunk_downs] == [ShrunkDown, ShrunkDown]
-    assert served == [True, True], "a down call ran its own shrink"
-    for run in runs:
-        assert _down_ran_in_order(run)
-        assert run.act_error < 2e-2  # bf16 operands
-        assert run.sum_error < 2e-2
-
-
 def _spy_on_gate_up_side(experts_cls: type[StockExperts]) -> list[bool]:
     """Per activation call from now on: whether a gate/up LoRA on the side awaited its join."""
     seen: list[bool] = []
@@ -627,34 +571,3 @@ def test_on_a_gpu_the_gate_up_lora_runs_on_a_second_stream_between_the_right_wai
     assert applied.experts.w13_streams[0] != main
     assert applied.act_error < 2e-2  # bf16 operands
     assert applied.sum_error < 2e-2
-
-
-@pytest.mark.parametrize(("kind", "case"), [(Act.SILU, CASE), (Act.SWIGLUOAI, GPT_OSS)],
-                         ids=["silu", "gpt_oss_swigluoai"])  # fmt: skip
-def test_under_the_down_shrink_variant_the_activation_hands_the_down_call_its_shrink(
-    classes: Any, kind: Act, case: Case, down_shrink_in_act: None,
-    shrunk_downs: list[ShrunkDown | None], monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """The fused activation runs the down LoRA's shrink and the down call takes it (a decode
-    batch: in order on the main stream); the sum with the down LoRA is the spec's."""
-    served = _record_serves(monkeypatch)
-    applied = _apply(classes[0], kind, case=case)
-    assert applied.experts.activations == []
-    assert [type(shrunk) for shrunk in shrunk_downs] == [ShrunkDown]
-    assert served == [True], "the down call ran its own shrink"
-    assert applied.act_error < 1e-5
-    assert applied.sum_error < 1e-5
-    assert _down_ran_in_order(applied)
-
-
-def test_without_the_variant_or_with_sharded_lora_the_down_call_runs_whole(
-    classes: Any, shrunk_downs: list[ShrunkDown | None], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Off by default; on, a fully sharded LoRA (our op declines its down call) and an
-    activation that is not fused get no down shrink."""
-    assert _apply(classes[0], Act.SILU).sum_error < 1e-5
-    monkeypatch.setattr(fused_experts, "REGIMES",
-                        dataclasses.replace(REGIMES, down_shrink_in_act=True))  # fmt: skip
-    assert _apply(classes[0], Act.SILU, fully_sharded=True).sum_error < 1e-5
-    assert _apply(classes[0], Act.GELU).sum_error < 1e-5
-    assert shrunk_downs == [None, None, None]

@@ -10,7 +10,6 @@ test_moe_lora_gpu.py on the device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 import torch
@@ -23,21 +22,9 @@ from loraplex.kernels.ops.moe_lora.act import (
     expand_swigluoai_and_mul,
 )
 from loraplex.kernels.ops.moe_lora.configs import MoeLoraConfig
-from loraplex.kernels.ops.moe_lora.op import (
-    ShrunkDown,
-    defer_gate_up_expand,
-    fused_moe_lora,
-    shrunk_down,
-)
+from loraplex.kernels.ops.moe_lora.op import defer_gate_up_expand, fused_moe_lora
 from loraplex.kernels.ops.moe_lora.reference import swigluoai_and_mul_reference
-from tests.support.moe_lora_cases import (
-    Case,
-    check_expand_activation,
-    down_call,
-    fused_activation,
-    gate_up_call,
-    make_inputs,
-)
+from tests.support.moe_lora_cases import Case, check_expand_activation, make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLIT = MoeLoraConfig("split", block_k=32, block_n=32, split_k=3)
@@ -47,9 +34,6 @@ SPLIT_PARTS = MoeLoraConfig(
 )
 FUSED = MoeLoraConfig("fused", block_k=32, block_n=32)
 GEMV = MoeLoraConfig("split", block_k=32, block_n=32, split_k=2, gemv_shrink=True)
-GEMV_BOTH = MoeLoraConfig(
-    "split", block_k=32, block_n=32, split_k=2, gemv_shrink=True, gemv_expand=True
-)
 
 
 def _sorted(case: Case, block_m: int) -> Case:
@@ -167,100 +151,32 @@ def test_rejects_an_output_of_the_wrong_shape() -> None:
         expand_silu_and_mul(deferred[0], out)
 
 
-NAIVE = [n for n in sorted(CASES) if not CASES[n].sorted_form]
+class _RecordingKernel:
+    """The activation kernel, launched as it is, with each launch's N tile noted."""
 
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.block_ns: list[int] = []
 
-def _activation_with_down_shrink(
-    name: str, dtype: torch.dtype
-) -> tuple[dict[str, Any], dict[str, Any], ShrunkDown]:
-    """A gate/up call of CASES[name] deferred, then its fused activation with and without the
-    down shrink: (gate/up args, the down call's args, the ShrunkDown). Both activations write
-    the same bits."""
-    case = CASES[name]
-    args = gate_up_call(case, dtype, DEVICE, seed=len(name))
-    with defer_gate_up_expand() as deferred:
-        fused_moe_lora(**args, shrink_block_size_m=case.block_m, config=GEMV)
-    width = args["output"].shape[-1] // 2
-    plain = torch.empty(case.tokens * case.top_k, width, dtype=dtype, device=DEVICE)
-    assert fused_activation(deferred[0], plain) is None
-    out = torch.full_like(plain, 777.0)
-    down = down_call(args, out, case, dtype, DEVICE, seed=len(name) + 1)
-    shrunk = fused_activation(deferred[0], out, down["lora_a_stacked"][0])
-    assert shrunk is not None
-    assert torch.equal(out, plain), "the down shrink changed the activation"
-    return args, down, shrunk
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        def launch(*args: object, **kwargs: object) -> object:
+            self.block_ns.append(int(kwargs["BLOCK_N"]))  # type: ignore[call-overload]
+            return self.kernel[grid](*args, **kwargs)  # type: ignore[index]
 
-
-@pytest.mark.parametrize("down_config", [GEMV_BOTH, SPLIT, FUSED], ids=["gemv", "tl_dot", "fused"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", NAIVE)
-def test_down_call_takes_the_shrink_the_activation_ran(
-    name: str, dtype: torch.dtype, down_config: MoeLoraConfig
-) -> None:
-    """The `down_shrink_in_act` decode variant: the down call inside `shrunk_down` adds what the
-    whole op adds, from the activation's partial products over its N tiles, not from its own
-    shrink: its input is zeroed in place first, which would add nothing. A fused entry's call
-    takes them too (the GEMV expand over its columns)."""
-    _, down, shrunk = _activation_with_down_shrink(name, dtype)
-    before, want, got = _down_from_cells(down, shrunk, down_config)
-    delta = (want.double() - before.double()).norm()
-    if CASES[name].no_adapter == 1.0:  # no pair on LoRA: neither call writes
-        assert delta == 0 and torch.equal(got, before)
-        return
-    err = float((got.double() - want.double()).norm() / delta)
-    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
-
-
-def _down_from_cells(
-    down: dict[str, Any], shrunk: ShrunkDown, config: MoeLoraConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the output before, what the whole down op makes of it, what the call inside
-    `shrunk_down` makes of it after its input was zeroed in place): the LoRA the latter adds
-    can come from the activation's cells only."""
-    before = down["output"].clone()
-    want = down["output"].clone()
-    fused_moe_lora(**{**down, "output": want}, config=config, mul_routed_weight=True)
-    down["qcurr_hidden_states"].zero_()
-    with shrunk_down(shrunk):
-        fused_moe_lora(**down, config=config, mul_routed_weight=True)
-    return before, want, down["output"]
-
-
-def test_down_shrink_serves_only_its_own_call() -> None:
-    """Inside `shrunk_down`, a call with another input tensor, other routing tensors (a copy of
-    the expert ids) or other weights runs whole, from its own input: zeros, which add nothing,
-    where the activation's cells would add the LoRA."""
-    _, down, shrunk = _activation_with_down_shrink("naive_t7_k4_e8_r8_a3_none", torch.float32)
-    down["qcurr_hidden_states"].zero_()
-    other_a = [down["lora_a_stacked"][0].clone()]
-    other_x = torch.zeros_like(down["qcurr_hidden_states"])
-    changes = [{"qcurr_hidden_states": other_x}, {"expert_ids": down["expert_ids"].clone()},
-               {"lora_a_stacked": other_a}, {}]  # fmt: skip
-    for change in changes:
-        call = {**down, **change, "output": down["output"].clone()}
-        before = call["output"].clone()
-        with shrunk_down(shrunk):
-            fused_moe_lora(**call, config=GEMV_BOTH, mul_routed_weight=True)
-        own_call = change == {}
-        assert torch.equal(call["output"], before) != own_call, list(change)
+        return launch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", [n for n in NAIVE if CASES[n].no_adapter < 1.0])
-def test_under_the_tile_cap_the_activation_and_its_down_shrink_keep_their_numbers(
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if not CASES[n].sorted_form])
+def test_the_naive_form_caps_the_tile_and_keeps_the_numbers(
     name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The act_tile_cap variant at 4 columns a warp: 16-column tiles in the naive form (twice
-    the programs of the tuned 32), against the spec, and the down call's expand over as many
-    cells."""
-    capped = dataclasses.replace(act.REGIMES, act_columns_per_warp=4)
-    monkeypatch.setattr(act, "REGIMES", capped)
+    """In the naive form the activation's N tile is the config's at most `act_columns_per_warp`
+    a warp: at 4 a warp, 16-column tiles where the config tunes 32 (twice the programs), against
+    the spec."""
+    monkeypatch.setattr(act, "REGIMES", dataclasses.replace(act.REGIMES, act_columns_per_warp=4))
+    recorder = _RecordingKernel(act.moe_lora_expand_silu_and_mul_kernel)
+    monkeypatch.setattr(act, "moe_lora_expand_silu_and_mul_kernel", recorder)
     err = check_expand_activation(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
-    _, down, shrunk = _activation_with_down_shrink(name, dtype)
-    width = down["qcurr_hidden_states"].shape[1]
-    assert shrunk.tiles == -(-width // 16)
-    before, want, got = _down_from_cells(down, shrunk, GEMV_BOTH)
-    delta = (want.double() - before.double()).norm()
-    err = float((got.double() - want.double()).norm() / delta)
-    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    assert recorder.block_ns == [16]
