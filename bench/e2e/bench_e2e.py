@@ -1,7 +1,7 @@
 """End to end on the device: base model, stock vLLM with LoRA, vLLM with the loraplex plugin.
 
     PYTHONPATH=/tmp/site:. python3 bench/e2e/bench_e2e.py MODE --commit SHA --out DIR
-        [--model qwen3-30b-a3b|gpt-oss-20b] [--tp N] [--spec ngram] [--log FILE]
+        [--model qwen3-30b-a3b|gpt-oss-20b] [--tp N] [--spec ngram|draft] [--log FILE]
         [--lora-targets MODULE ...]
     MODE: base | stock | plugin | check-stock | check-plugin | check-plugin-graphs
           | check-stock-graphs | check-base | check-base-graphs | compare
@@ -28,8 +28,9 @@ the plugin eager (`check-plugin`), CUDA graphs per adapter count (vLLM's special
 with the plugin (`check-plugin-graphs`) and without it (`check-stock-graphs`, vLLM 0.26's own
 batch metadata, which drops an adapter beside base requests there:
 `batch_metadata.fill_kernel_meta`), and an engine started without LoRA, eager and in graphs
-(`check-base`, `check-base-graphs`), all requests on the base model. `--spec ngram` adds n-gram
-speculative decoding (NGRAM), `--tp` tensor parallelism; the file is named by `check_label`.
+(`check-base`, `check-base-graphs`), all requests on the base model. `--spec` adds speculative
+decoding (`speculative_config`: n-gram, or the check model drafting for itself), `--tp` tensor
+parallelism; the file is named by `check_label`.
 `compare` pairs every run in DIR with its references (`comparisons`): the first 16 tokens of
 every request against stock eager at the same TP, of the base requests against the engine
 without LoRA in the same graph mode (base untouched), of a speculative run against the same run
@@ -432,7 +433,19 @@ CHECK_BATCHES: dict[str, list[int | None]] = {
 # 0.26 refuses no LoRA with it (its punica wrapper sizes its buffers for the extra tokens).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip
+SPECS = ("ngram", "draft")
 STEP_TIMING = (16, 128)  # requests x output tokens of the check's decode timing
+
+
+def speculative_config(spec: str, model: Path) -> dict[str, Any]:
+    """vLLM 0.26's speculative_config for `--spec`: NGRAM, or (draft) the check model at `model`
+    drafting for itself, 4 tokens a step. A draft model shares the target's vocabulary, which
+    the check model trivially does. vLLM loads the drafter without LoRA (v1/spec_decode/
+    draft_model.py), so an adapter request's drafts come from the base weights: that moves the
+    acceptance, never the verified tokens, which the target computes with its adapter."""
+    if spec == "ngram":
+        return NGRAM
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 4}
 
 
 def run_check(ns: argparse.Namespace) -> dict:
@@ -454,7 +467,7 @@ def run_check(ns: argparse.Namespace) -> dict:
     if lora:
         kw.update(enable_lora=True, max_loras=2, max_lora_rank=RANK, specialize_active_lora=graphs)
     if ns.spec:
-        kw["speculative_config"] = NGRAM
+        kw["speculative_config"] = speculative_config(ns.spec, model)
     start = time.time()
     llm = LLM(**kw)
     startup = time.time() - start
@@ -549,8 +562,8 @@ def comparisons(labels: list[str]) -> list[tuple[str, str, bool]]:
     have = set(labels)
     pairs = []
     for label in labels:
-        spec = label.endswith("-ngram")
-        plain = label.removesuffix("-ngram")
+        spec = next((s for s in SPECS if label.endswith(f"-{s}")), None)
+        plain = label.removesuffix(f"-{spec}") if spec else label
         tp = plain[plain.index("-tp") :] if "-tp" in plain else ""
         mode = plain.removesuffix(tp)
         if spec:
@@ -596,7 +609,7 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, help="fewer layers than the model's")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    parser.add_argument("--spec", choices=["ngram"], help="check modes: speculative decoding")
+    parser.add_argument("--spec", choices=SPECS, help="check modes: speculative decoding")
     parser.add_argument("--log", type=Path, help="the file this process's output goes to, "
                         "for vLLM's start-up lines")  # fmt: skip
     parser.add_argument("--reps", type=int, default=3)

@@ -170,7 +170,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 def base_label(label: str) -> str:
     """The check run without LoRA that a run's step time compares with: same graph mode,
     tensor-parallel size and speculation."""
-    kind = label.split("-")[1]  # check-<kind>[-graphs][-tpN][-ngram]
+    kind = label.split("-")[1]  # check-<kind>[-graphs][-tpN][-ngram|-draft]
     return "check-base" + label.removeprefix(f"check-{kind}")
 
 

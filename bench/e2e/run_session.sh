@@ -28,6 +28,8 @@
 #   k  n-gram speculative decoding, plugin (with and without) and base, on GPU 0 | the GPU
 #      kernel tests on GPU 1 (bench/kernels/run_device.sh tests: carry .whl); the TP=2 check is
 #      part c's
+#   s  speculative decoding with a draft model (the check model drafting for itself): the plugin
+#      without and with it, base with it, on GPU 0 | the same on GPU 1, eager
 # Out: $OUT/e2e_session_PART.jsonl (every row: machine, commit, model, mode, start-up split),
 # $OUT/e2e_session_PART.log (the summary, and each failed run's last lines); the summary and
 # a DONE line per run on stdout. Every engine runs under `timeout`, never past the part's
@@ -200,8 +202,19 @@ case "$part" in
       tail -n 3 "$work/kernel-tests.log" | tee -a "$report"
     }
     lanes ;;
+  s)
+    # As k's lane 0 with a draft model; eager on lane 1 (no GPU-2 kernel tests: k has them).
+    draft() {
+      local graphs=$1
+      bench "check-plugin$graphs" 150 "check-plugin$graphs"
+      bench "check-plugin$graphs-draft" 180 "check-plugin$graphs" --spec draft
+      bench "check-base$graphs-draft" 150 "check-base$graphs" --spec draft
+    }
+    lane0() { draft -graphs; }
+    lane1() { draft ""; }
+    lanes ;;
   *)
-    echo "unknown part $part (a b c d e f g t k)" >&2
+    echo "unknown part $part (a b c d e f g t k s)" >&2
     exit 2 ;;
 esac
 

@@ -12,10 +12,12 @@ import pytest
 
 from bench.e2e.bench_e2e import (
     CHECK_BATCHES,
+    NGRAM,
     agreement,
     check_label,
     compare,
     comparisons,
+    speculative_config,
     stream_generate,
 )
 from bench.e2e.rows import (
@@ -227,8 +229,8 @@ def test_agreement_counts_base_requests_and_records_the_margin_at_a_flip() -> No
 
 def test_comparisons_pair_each_run_with_its_references() -> None:
     labels = ["check-stock", "check-base", "check-plugin", "check-plugin-graphs",
-              "check-base-graphs", "check-plugin-graphs-ngram", "check-stock-tp2",
-              "check-plugin-graphs-tp2", "check-base-graphs-tp2"]  # fmt: skip
+              "check-base-graphs", "check-plugin-graphs-ngram", "check-plugin-draft",
+              "check-stock-tp2", "check-plugin-graphs-tp2", "check-base-graphs-tp2"]  # fmt: skip
     pairs = set(comparisons(labels))
     assert pairs == {
         ("check-stock", "check-base", True),
@@ -236,10 +238,25 @@ def test_comparisons_pair_each_run_with_its_references() -> None:
         ("check-plugin-graphs", "check-stock", False),
         ("check-plugin-graphs", "check-base-graphs", True),
         ("check-plugin-graphs-ngram", "check-plugin-graphs", False),
+        ("check-plugin-draft", "check-plugin", False),
         ("check-plugin-graphs-tp2", "check-stock-tp2", False),
         ("check-plugin-graphs-tp2", "check-base-graphs-tp2", True),
     }  # fmt: skip
     assert check_label("check-plugin-graphs", 2, "ngram") == "check-plugin-graphs-tp2-ngram"
+    assert check_label("check-plugin", 1, "draft") == "check-plugin-draft"
+
+
+def test_speculation_is_a_method_vllm_knows(tmp_path: Path) -> None:
+    """--spec draft: the check model at its path drafts for itself, under a method name vLLM's
+    SpeculativeConfig takes; --spec ngram: NGRAM."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    draft = speculative_config("draft", tmp_path)
+    assert draft["method"] in get_args(SpeculativeMethod)
+    assert draft["model"] == str(tmp_path) and draft["num_speculative_tokens"] == 4
+    assert speculative_config("ngram", tmp_path) == NGRAM
 
 
 def test_check_batches_hold_eight_base_requests_beside_adapters() -> None:
