@@ -48,17 +48,6 @@ class Regimes:
     # 211.32 tok/s per request with the dense LoRA in one launch, docs/kernels.md), and the
     # tuner's prefill candidates from it.
     prefill_min_pairs: int = 8192
-    # The fused gate/up-expand + activation's N tile in the naive form: the gate/up expand's tuned
-    # tile (tuned for the GEMV expand, which holds one B tile; up to 1,024 columns on 4 warps for
-    # GPT-OSS), at most this many columns a warp (the activation holds two). ptxas for sm_90
-    # (Triton 3.9): at 4 warps swigluoai's program holds 229 registers at 64 columns and spills
-    # nothing, 255 with 28 bytes spilled at 128, 7.2 KB of stack and ~19 KB of spill stores at
-    # 1,024. GPT-OSS decode on an H100: 173.70 -> 180.81 tok/s per request (docs/kernels.md).
-    act_columns_per_warp: int = 16
-
-    def act_block_n(self, tuned_block_n: int, num_warps: int) -> int:
-        """The fused activation's N tile in the naive form, from the gate/up expand's tuned one."""
-        return min(tuned_block_n, self.act_columns_per_warp * num_warps)
 
     def dense_gemv(self, tokens: int) -> bool:
         """Whether a dense LoRA call of `tokens` tokens takes our GEMVs (else our tiled kernels)."""

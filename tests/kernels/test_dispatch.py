@@ -111,10 +111,3 @@ def test_the_three_prefill_boundaries_move_together() -> None:
     moved = dataclasses.replace(REGIMES, prefill_min_pairs=4096)
     regime = {n: forms(point("qwen3", n, 64, None), moved)[4:] for n in (511, 512, 513)}
     assert regime == {511: REGIME["decode"], 512: REGIME["first prefill"], 513: REGIME["prefill"]}
-
-
-def test_the_activation_tile_is_at_most_16_columns_a_warp() -> None:
-    """The fused activation's naive-form tile: GPT-OSS's tuned 1,024 columns on 4 warps become
-    64, on 8 warps 128; a smaller tuned tile stays."""
-    tiles = [REGIMES.act_block_n(n, w) for n, w in ((1024, 4), (1024, 8), (32, 4))]
-    assert tiles == [64, 128, 32]

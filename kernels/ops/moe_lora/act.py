@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from loraplex.kernels.dispatch import REGIMES
 from loraplex.kernels.ops.moe_lora.act_kernels import moe_lora_expand_silu_and_mul_kernel
 from loraplex.kernels.ops.moe_lora.op import SplitExpand
 
@@ -23,12 +22,17 @@ from loraplex.kernels.ops.moe_lora.op import SplitExpand
 # 16-row chunks of 128 columns on 4 warps took 152-355 us against 205-499 for programs over all
 # six N tiles; none of 21 other shapes, nor a register cap, was faster (docs/kernels.md). With no
 # pair on LoRA, plain programs of 32 pairs took 310-338 us at 25,600 tokens, of 64 344-383 us.
-# Decode (naive form: one pair per unit) keeps the expand's warps and N tile, the tile capped
-# (`Regimes.act_block_n`).
 SORTED_CHUNK = 16
 SORTED_BLOCK_N = 128
 SORTED_WARPS = 4
 PLAIN_ROWS = 32
+# Decode (naive form: one pair per unit) keeps the expand's warps and N tile, but at most this
+# many columns a warp: the tile was tuned for the GEMV expand, whose program holds one B tile;
+# this one holds two. ptxas for sm_90 (Triton 3.9) at 4 warps: swigluoai's program takes 229
+# registers at 64 columns and spills nothing, 255 with 28 bytes spilled at 128, 7.2 KB of stack
+# and ~19 KB of spill stores at GPT-OSS's tuned 1,024. GPT-OSS decode on an H100: 173.70 ->
+# 180.81 tok/s per request (docs/kernels.md, "The activation's N tile at decode").
+NAIVE_COLUMNS_PER_WARP = 16
 
 # vLLM's swigluoai_and_mul takes alpha and limit as arguments with these defaults (its op
 # schema), and vLLM 0.26's fused experts call it without them (fused_moe/activation.py,
@@ -98,7 +102,7 @@ def _launch(
     block_n, warps = SORTED_BLOCK_N, SORTED_WARPS
     if not expand.sorted_form:
         warps = config.num_warps
-        block_n = REGIMES.act_block_n(config.block_n, warps)
+        block_n = min(config.block_n, NAIVE_COLUMNS_PER_WARP * warps)
     num_pairs = expand.lengths[0]
     lora_programs = expand.lengths[4] * triton.cdiv(n, block_n)
     grid = (lora_programs + triton.cdiv(num_pairs, PLAIN_ROWS),)

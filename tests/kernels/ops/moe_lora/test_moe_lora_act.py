@@ -167,16 +167,30 @@ class _RecordingKernel:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", [n for n in sorted(CASES) if not CASES[n].sorted_form])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_the_naive_form_caps_the_tile_and_keeps_the_numbers(
     name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In the naive form the activation's N tile is the config's at most `act_columns_per_warp`
-    a warp: at 4 a warp, 16-column tiles where the config tunes 32 (twice the programs), against
-    the spec."""
-    monkeypatch.setattr(act, "REGIMES", dataclasses.replace(act.REGIMES, act_columns_per_warp=4))
+    """In the naive form the activation's N tile is the config's at most
+    NAIVE_COLUMNS_PER_WARP a warp: at 4 a warp, 16-column tiles where the config tunes 32 (more
+    programs), against the spec. The sorted form keeps SORTED_BLOCK_N (128, past that cap)."""
+    monkeypatch.setattr(act, "NAIVE_COLUMNS_PER_WARP", 4)
     recorder = _RecordingKernel(act.moe_lora_expand_silu_and_mul_kernel)
     monkeypatch.setattr(act, "moe_lora_expand_silu_and_mul_kernel", recorder)
-    err = check_expand_activation(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
+    sorted_form = CASES[name].sorted_form
+    config = SPLIT_PARTS if sorted_form else GEMV
+    err = check_expand_activation(CASES[name], config, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
-    assert recorder.block_ns == [16]
+    assert recorder.block_ns == [act.SORTED_BLOCK_N if sorted_form else 16]
+
+
+def test_a_wide_tuned_tile_launches_at_16_columns_a_warp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As shipped: a config tuned at 256 columns on 4 warps (as GPT-OSS's 1,024) launches the
+    naive form's activation at 64, against the spec."""
+    recorder = _RecordingKernel(act.moe_lora_expand_silu_and_mul_kernel)
+    monkeypatch.setattr(act, "moe_lora_expand_silu_and_mul_kernel", recorder)
+    wide = dataclasses.replace(GEMV, block_n=256)
+    name = "naive_t7_k4_e8_r8_a3_none_interleaved"  # I = 63: one 64-column tile
+    err = check_expand_activation(CASES[name], wide, torch.float32, DEVICE, seed=len(name))
+    assert err < 1e-5, err
+    assert recorder.block_ns == [64]
