@@ -203,7 +203,7 @@ case "$part" in
     }
     lanes ;;
   s)
-    # As k's lane 0 with a draft model; eager on lane 1 (no GPU-2 kernel tests: k has them).
+    # As k's lane 0 with a draft model; lane 1 the same eagerly (the kernel tests are k's).
     draft() {
       local graphs=$1
       bench "check-plugin$graphs" 150 "check-plugin$graphs"

@@ -166,31 +166,44 @@ class _RecordingKernel:
         return launch
 
 
+@pytest.fixture
+def launched_block_ns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The N tile of each activation launch from now on (the real kernel runs)."""
+    recorder = _RecordingKernel(act.moe_lora_expand_silu_and_mul_kernel)
+    monkeypatch.setattr(act, "moe_lora_expand_silu_and_mul_kernel", recorder)
+    return recorder.block_ns
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if not CASES[n].sorted_form])
 def test_the_naive_form_caps_the_tile_and_keeps_the_numbers(
-    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    name: str, dtype: torch.dtype, launched_block_ns: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In the naive form the activation's N tile is the config's at most
     NAIVE_COLUMNS_PER_WARP a warp: at 4 a warp, 16-column tiles where the config tunes 32 (more
-    programs), against the spec. The sorted form keeps SORTED_BLOCK_N (128, past that cap)."""
+    programs), against the spec."""
     monkeypatch.setattr(act, "NAIVE_COLUMNS_PER_WARP", 4)
-    recorder = _RecordingKernel(act.moe_lora_expand_silu_and_mul_kernel)
-    monkeypatch.setattr(act, "moe_lora_expand_silu_and_mul_kernel", recorder)
-    sorted_form = CASES[name].sorted_form
-    config = SPLIT_PARTS if sorted_form else GEMV
-    err = check_expand_activation(CASES[name], config, dtype, DEVICE, seed=len(name))
+    err = check_expand_activation(CASES[name], GEMV, dtype, DEVICE, seed=len(name))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
-    assert recorder.block_ns == [act.SORTED_BLOCK_N if sorted_form else 16]
+    assert launched_block_ns == [16]
 
 
-def test_a_wide_tuned_tile_launches_at_16_columns_a_warp(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_sorted_form_keeps_its_tile_past_the_cap(
+    launched_block_ns: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cap is the naive form's: the sorted form launches SORTED_BLOCK_N (128) under a cap of
+    16 columns (its numbers: test_matches_reference)."""
+    monkeypatch.setattr(act, "NAIVE_COLUMNS_PER_WARP", 4)
+    name = "sorted_t40_k4_e8_r32_a2_disabled_bm16_interleaved"
+    check_expand_activation(CASES[name], SPLIT_PARTS, torch.float32, DEVICE, seed=len(name))
+    assert launched_block_ns == [act.SORTED_BLOCK_N]
+
+
+def test_a_wide_tuned_tile_launches_at_16_columns_a_warp(launched_block_ns: list[int]) -> None:
     """As shipped: a config tuned at 256 columns on 4 warps (as GPT-OSS's 1,024) launches the
     naive form's activation at 64, against the spec."""
-    recorder = _RecordingKernel(act.moe_lora_expand_silu_and_mul_kernel)
-    monkeypatch.setattr(act, "moe_lora_expand_silu_and_mul_kernel", recorder)
     wide = dataclasses.replace(GEMV, block_n=256)
     name = "naive_t7_k4_e8_r8_a3_none_interleaved"  # I = 63: one 64-column tile
     err = check_expand_activation(CASES[name], wide, torch.float32, DEVICE, seed=len(name))
     assert err < 1e-5, err
-    assert recorder.block_ns == [64]
+    assert launched_block_ns == [64]
